@@ -1,0 +1,28 @@
+# The README's two commands: `make serve` and `make test`. Both set up .venv first.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# On CPU machines pin the CPU build of torch (a plain `torch` can pull a multi-GB CUDA build).
+# Elsewhere, e.g.: make test TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+TORCH ?= torch==2.13.0
+ARGS ?=
+
+.PHONY: install serve test bench clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH)
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $@
+
+install: $(BIN)/.installed
+
+serve: install
+	$(BIN)/tandem generate $(ARGS)
+
+test: install
+	$(BIN)/python -m pytest -q $(ARGS)
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

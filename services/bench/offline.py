@@ -1,0 +1,133 @@
+"""``tandem bench offline``: engine throughput against HF ``generate``, side by side.
+
+Runs both on the same checkpoint, prompts and thread count in one process, and
+reports output tokens/s and their ratio; then the engine's decode-step time at
+batch 1 against the memory-bandwidth floor (weight bytes / a read bandwidth
+measured in the same run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="local HF folder (default: the bench preset)")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    p.add_argument("--decode-steps", type=int, default=64, help="steps timed at batch 1")
+    p.add_argument("--json", default=None, help="also write the results to this file")
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def read_bandwidth_gbs(num_bytes: int = 256 * 2**20, repeats: int = 5) -> float:
+    """Best-of-N streaming read bandwidth (GB/s) of a large fp32 tensor sum."""
+    import torch
+
+    x = torch.ones(num_bytes // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return num_bytes / best / 1e9
+
+
+def bench_engine(llm, prompts, output_len: int) -> tuple[float, list[list[int]]]:
+    from services.engine import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    return time.perf_counter() - t0, [o.outputs[0].token_ids for o in outs]
+
+
+def bench_hf(path: str, prompts, output_len: int) -> tuple[float, list[list[int]]]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.tensor(prompts)  # equal lengths: no padding needed
+    kw = dict(do_sample=False, max_new_tokens=output_len, min_new_tokens=output_len,
+              pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(ids[:2, :8], attention_mask=torch.ones_like(ids[:2, :8]),
+                       **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
+        t0 = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+        elapsed = time.perf_counter() - t0
+    return elapsed, out[:, ids.shape[1]:].tolist()
+
+
+def decode_step_ms(llm, prompt: list[int], steps: int) -> float:
+    """Median engine step time with one sequence decoding."""
+    from services.engine import SamplingParams
+
+    engine = llm.engine
+    engine.add_request("bench-decode", prompt, SamplingParams(
+        temperature=0.0, max_tokens=steps + 1, ignore_eos=True))
+    engine.step()  # prefill
+    times = []
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+
+    from services.engine import LLM
+    from services.engine.default_model import default_model_path
+
+    torch.set_num_threads(args.threads)
+    path = str(args.model or default_model_path("bench"))
+    llm = LLM(path, num_threads=args.threads, max_num_batched_tokens=4096)
+    vocab = min(llm.engine.model_config.vocab_size, llm.tokenizer.vocab_size)
+    prompts = _prompts(args.num_prompts, args.input_len, vocab, args.seed)
+    total_out = args.num_prompts * args.output_len
+    result: dict = dict(model=path, num_prompts=args.num_prompts, input_len=args.input_len,
+                        output_len=args.output_len, threads=args.threads)
+
+    t_engine, engine_tokens = bench_engine(llm, prompts, args.output_len)
+    result["tandem_tok_s"] = total_out / t_engine
+    if not args.no_hf:
+        t_hf, hf_tokens = bench_hf(path, prompts, args.output_len)
+        result["hf_tok_s"] = total_out / t_hf
+        result["ratio"] = result["tandem_tok_s"] / result["hf_tok_s"]
+        result["greedy_identical"] = sum(a == b for a, b in zip(engine_tokens, hf_tokens))
+
+    weights = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+    bw = read_bandwidth_gbs()
+    floor_ms = weights / (bw * 1e9) * 1e3
+    step_ms = decode_step_ms(llm, prompts[0], args.decode_steps)
+    result.update(weight_mb=weights / 1e6, read_gb_s=bw, decode_floor_ms=floor_ms,
+                  decode_step_ms=step_ms, decode_vs_floor=floor_ms / step_ms)
+
+    print(f"model {path}: {args.num_prompts} prompts x ({args.input_len} in, "
+          f"{args.output_len} out), {args.threads} threads")
+    print(f"  tandem engine       {result['tandem_tok_s']:8.1f} output tok/s")
+    if "hf_tok_s" in result:
+        print(f"  transformers batch  {result['hf_tok_s']:8.1f} output tok/s")
+        print(f"  ratio               {result['ratio']:8.2f}x  "
+              f"(greedy outputs identical: {result['greedy_identical']}/{args.num_prompts})")
+    print(f"  decode step, batch 1: {step_ms:.2f} ms; floor {floor_ms:.2f} ms "
+          f"({weights / 1e6:.0f} MB weights at {bw:.1f} GB/s) -> {100 * floor_ms / step_ms:.0f}% of floor")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0

@@ -1,0 +1,97 @@
+"""The ``tandem`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="local Hugging Face folder (default: the embedded model)")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from services.engine import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    print(f"loading {args.model or 'the embedded default model'} ...", file=sys.stderr, flush=True)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, num_threads=args.threads)
+    print(f"ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            seed=args.seed, top_p=args.top_p)
+    prompts = args.prompt or ["The quick brown fox", "def fibonacci(n):"]
+    if args.chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    else:
+        outs = llm.generate(prompts, params)
+    for prompt, out in zip(prompts, outs):
+        comp = out.outputs[0]
+        print(f"--- {prompt!r} ({len(out.prompt_token_ids)} prompt tokens)")
+        print(f"{comp.text!r}  [{len(comp.token_ids)} tokens, {comp.finish_reason.value}]")
+    return 0
+
+
+def _make_model(args: argparse.Namespace) -> int:
+    from services.engine.default_model import write_model
+
+    path = write_model(args.preset, args.out, seed=args.seed)
+    print(path)
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from services.bench import offline
+
+    return offline.main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="offline generation with the engine")
+    _add_engine_args(gen)
+    gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    gen.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.set_defaults(func=_generate)
+
+    mk = sub.add_parser("make-model", help="write a seeded random checkpoint")
+    mk.add_argument("--preset", default="small", choices=["tiny", "small", "bench"])
+    mk.add_argument("--out", required=True)
+    mk.add_argument("--seed", type=int, default=0)
+    mk.set_defaults(func=_make_model)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    from services.bench.offline import add_arguments
+
+    off = bench_sub.add_parser("offline", help="offline throughput vs HF transformers")
+    add_arguments(off)
+    off.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"tandem: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

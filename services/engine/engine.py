@@ -1,0 +1,253 @@
+"""The inference engine: requests in, token deltas out, one batched step at a time.
+
+``add_request`` validates and queues; ``step`` schedules, runs one forward pass
+and returns an ``EngineOutput`` per sequence that produced a token or finished;
+``abort`` stops a request anywhere. Prefill- and decode-role engines also move
+KV in and out: ``export_kv`` / ``release`` on the prefill side, ``reserve`` /
+``import_kv`` / ``commit_imported`` on the decode side.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+
+from services.common.config import EngineConfig, EngineRole
+from services.common.sampling_params import FinishReason, SamplingParams
+from services.engine.detokenizer import IncrementalDetokenizer
+from services.engine.kv_cache.block_pool import BlockPool
+from services.engine.kv_cache.kv_manager import KVCacheManager, blocks_needed
+from services.engine.kv_cache.paged_cache import PagedKVCache
+from services.engine.model.config import ModelConfig
+from services.engine.model.loader import load_model, resolve_dtype
+from services.engine.model_runner import ModelRunner, SampledToken
+from services.engine.sampler import Sampler, TokenLogprob
+from services.engine.scheduler import Scheduler, SchedulerOutput
+from services.engine.sequence import Sequence, SequenceStatus
+from services.engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineOutput:
+    """What one step did for one request: new tokens (and text), and whether it ended."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+class LLMEngine:
+    """One model replica on one device, with its paged cache, scheduler and sampler."""
+
+    def __init__(self, config: EngineConfig, *, detokenize: bool = True) -> None:
+        from services.engine.default_model import default_model_path
+
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.model_path = str(config.model or default_model_path())
+        self.model_config = ModelConfig.from_dir(self.model_path)
+        mc = self.model_config
+        self.device = torch.device(config.device)
+        self.dtype = resolve_dtype(config.dtype, mc, self.device)
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
+                                 mc.max_position_embeddings)
+        self.tokenizer = Tokenizer.from_dir(self.model_path) if detokenize else None
+        eos = set(mc.eos_token_ids) | (set(self.tokenizer.eos_token_ids) if self.tokenizer else set())
+        self.eos_token_ids = tuple(sorted(eos))
+        model = load_model(self.model_path, self.dtype, self.device, self.max_model_len)
+        cc = config.cache
+        per_block = PagedKVCache.bytes_per_block(mc.num_layers, cc.block_size, mc.num_kv_heads,
+                                                 mc.head_dim, self.dtype)
+        num_blocks = cc.num_blocks or max(2, int(cc.memory_gb * 2**30) // per_block)
+        self.kv_cache = PagedKVCache(mc.num_layers, num_blocks, cc.block_size, mc.num_kv_heads,
+                                     mc.head_dim, self.dtype, self.device)
+        self.block_pool = BlockPool(num_blocks, cc.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, KVCacheManager(self.block_pool, cc.block_size))
+        self.runner = ModelRunner(model, self.kv_cache, Sampler(config.seed), self.eos_token_ids)
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._reserved: dict[str, Sequence] = {}  # decode role: blocks awaiting import
+        self.num_steps = 0
+        log.info("engine ready: %s %s on %s, %d KV blocks of %d tokens",
+                 mc.architecture, self.dtype, self.device, num_blocks, cc.block_size)
+
+    # -- requests -------------------------------------------------------------
+    def validate(self, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
+        """Raise ``ValueError`` if the request can never be served as given."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids
+                    if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        if n >= self.max_model_len:
+            raise ValueError(f"the prompt has {n} tokens but the model's context is "
+                             f"{self.max_model_len} (prompt plus at least one output token)")
+        sc = self.config.scheduler
+        if not sc.enable_chunked_prefill and n > sc.max_num_batched_tokens:
+            raise ValueError(f"the prompt has {n} tokens, over max_num_batched_tokens="
+                             f"{sc.max_num_batched_tokens} with chunked prefill off")
+        if blocks_needed(n + 1, self.config.cache.block_size) > self.block_pool.num_blocks:
+            raise ValueError(f"the prompt has {n} tokens, more than the KV cache holds")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need an engine with a tokenizer (detokenize=True)")
+
+    def add_request(self, request_id: str, prompt_token_ids: Seq[int],
+                    params: SamplingParams, arrival_time: float | None = None) -> None:
+        """Validate and queue a request for prefill (local prefill in any role)."""
+        if self.scheduler.get(request_id) is not None:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.validate(prompt_token_ids, params)
+        seq = Sequence(request_id, list(prompt_token_ids), params,
+                       arrival_time=arrival_time or time.monotonic())
+        self._start_detok(seq)
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> EngineOutput | None:
+        """Stop a request wherever it is and free its blocks; None if unknown or done."""
+        seq = self.scheduler.get(request_id)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq, FinishReason.ABORT)
+        return self._output(seq, [], "", [])
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # -- the step loop --------------------------------------------------------
+    def step(self, on_layer_done: Callable[[int], None] | None = None) -> list[EngineOutput]:
+        """Run one scheduled forward pass; returns the requests that advanced or ended."""
+        sched: SchedulerOutput = self.scheduler.schedule()
+        outputs = [self._output(s, [], self._flush(s), []) for s in sched.finished]
+        if not sched.scheduled:
+            return outputs
+        results = self.runner.execute(sched.scheduled, on_layer_done)
+        self.scheduler.on_step_done(sched)
+        self.num_steps += 1
+        for item, sampled in zip(sched.scheduled, results):
+            if sampled is not None:
+                outputs.append(self._append_token(item.seq, sampled))
+        return outputs
+
+    def _append_token(self, seq: Sequence, sampled: SampledToken) -> EngineOutput:
+        token, p = sampled.token_id, seq.params
+        seq.output_token_ids.append(token)
+        lps = [sampled.logprob] if sampled.logprob is not None else []
+        reason, text, hit_stop = None, "", False
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            reason = FinishReason.STOP  # the stop token's text is not part of the output
+        elif (detok := self._detok.get(seq.seq_id)) is not None:
+            text, hit_stop = detok.add(token)
+            reason = FinishReason.STOP if hit_stop else None
+        if reason is None and (len(seq.output_token_ids) >= (p.max_tokens or 1 << 62)
+                               or seq.num_tokens >= self.max_model_len):
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            if not hit_stop:
+                text += self._flush(seq)  # release text held back for a possible stop string
+            self.scheduler.finish(seq, reason)
+        elif self.scheduler.role == EngineRole.PREFILL:
+            self.scheduler.hold_prefilled(seq)
+        return self._output(seq, [token], text, lps)
+
+    def _start_detok(self, seq: Sequence) -> None:
+        if self.tokenizer is not None:
+            p = seq.params
+            self._detok[seq.seq_id] = IncrementalDetokenizer(
+                self.tokenizer, stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output,
+                skip_special_tokens=p.skip_special_tokens)
+
+    def _flush(self, seq: Sequence) -> str:
+        detok = self._detok.get(seq.seq_id)
+        return detok.flush() if detok is not None else ""
+
+    def _output(self, seq: Sequence, tokens: list[int], text: str,
+                lps: list[TokenLogprob]) -> EngineOutput:
+        if seq.is_finished:
+            self._detok.pop(seq.seq_id, None)
+        return EngineOutput(seq.seq_id, tokens, text, seq.is_finished, seq.finish_reason,
+                            seq.num_prompt_tokens, len(seq.output_token_ids),
+                            seq.num_cached_tokens, lps)
+
+    # -- KV transfer hooks (prefill and decode roles) ----------------------------
+    def prefilled_blocks(self, request_id: str) -> list[int]:
+        """Prefill role: the block table of a request held after its first token."""
+        seq = self.scheduler.prefilled.get(request_id)
+        if seq is None:
+            raise KeyError(f"request {request_id!r} is not held for export")
+        return list(seq.block_ids)
+
+    def export_kv(self, block_ids: Seq[int], layers: range,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+        """Gather blocks of a layer range into one contiguous tensor (see PagedKVCache)."""
+        return self.kv_cache.gather(block_ids, layers, out)
+
+    def release(self, request_id: str) -> None:
+        """Prefill role: free a held request once its KV has been sent (or given up)."""
+        seq = self.scheduler.prefilled.get(request_id)
+        if seq is not None:
+            self.scheduler.finish(seq, FinishReason.STOP)
+            self._detok.pop(request_id, None)
+
+    def reserve(self, request_id: str, prompt_token_ids: Seq[int],
+                params: SamplingParams) -> list[int] | None:
+        """Decode role: take blocks for a prompt whose KV will be imported; None if full.
+
+        The request is not scheduled until ``commit_imported``; ``abort`` frees it.
+        """
+        self.validate(prompt_token_ids, params)
+        if self.scheduler.get(request_id) is not None or request_id in self._reserved:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seq = Sequence(request_id, list(prompt_token_ids), params)
+        if not self.scheduler.kv.reserve(seq, len(seq.prompt_token_ids)):
+            return None
+        self._reserved[request_id] = seq
+        return list(seq.block_ids)
+
+    def import_kv(self, block_ids: Seq[int], layers: range, data: torch.Tensor) -> None:
+        """Scatter received KV ``[L, 2, n, block_size, KVH, D]`` into reserved blocks."""
+        self.kv_cache.scatter(block_ids, layers, data)
+
+    def commit_imported(self, request_id: str, first_token: int) -> EngineOutput:
+        """Join a reserved request, now holding its prompt's KV, to the decode batch.
+
+        ``first_token`` was sampled by the prefill worker; decoding resumes at token 2.
+        """
+        seq = self._reserved.pop(request_id)
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.scheduler.kv.cache_full_blocks(seq)
+        self._start_detok(seq)
+        self.scheduler.seqs[seq.seq_id] = seq
+        seq.status = SequenceStatus.RUNNING
+        self.scheduler.running.append(seq)
+        return self._append_token(seq, SampledToken(first_token, None))
+
+    def cancel_reserved(self, request_id: str) -> bool:
+        """Free the blocks of a reservation whose transfer failed or was aborted."""
+        seq = self._reserved.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.kv.free(seq)
+        return True

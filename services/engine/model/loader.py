@@ -1,0 +1,98 @@
+"""Load a Llama-family checkpoint from a local Hugging Face folder of safetensors."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from services.engine.model.config import ModelConfig
+from services.engine.model.llama import LlamaModel
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+          "half": torch.float16}
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    """``auto`` is the checkpoint's dtype on GPU and float32 on CPU (no fast bf16 there)."""
+    if name == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        return DTYPES.get(cfg.torch_dtype, torch.float32)
+    if name not in DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; choose auto, {', '.join(sorted(DTYPES))}")
+    return DTYPES[name]
+
+
+def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
+               max_positions: int) -> LlamaModel:
+    """Build the model on ``device`` in ``dtype`` and fill it from ``*.safetensors``.
+
+    Raises ``FileNotFoundError`` / ``ValueError`` naming what is missing or unknown.
+    """
+    path = Path(path)
+    cfg = ModelConfig.from_dir(path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in model folder {path}")
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    params = dict(model.named_parameters())
+    filled: dict[str, int] = {name: 0 for name in params}
+    needed = {name: p.numel() for name, p in params.items()}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                target = _target(key, cfg)
+                if target is None:
+                    continue
+                name, row0 = target
+                if name not in params:
+                    raise ValueError(f"unexpected tensor {key!r} in {file.name} for {cfg.architecture}")
+                src = f.get_tensor(key)
+                dst = params[name].data
+                rows = dst[row0:row0 + src.shape[0]]
+                if rows.shape != src.shape:
+                    raise ValueError(f"tensor {key!r} has shape {tuple(src.shape)}, "
+                                     f"expected {tuple(rows.shape)} ({cfg.architecture})")
+                rows.copy_(src.to(dtype))
+                filled[name] += src.numel()
+    missing = [n for n, c in filled.items() if c != needed[n]]
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks weights for: {', '.join(missing[:8])}"
+                         + (" ..." if len(missing) > 8 else ""))
+    model.init_rope(max_positions)
+    return model.eval()
+
+
+def _target(key: str, cfg: ModelConfig) -> tuple[str, int] | None:
+    """Map a checkpoint tensor name to (our parameter name, first row in it)."""
+    if "rotary_emb" in key:
+        return None
+    if key == "lm_head.weight":
+        return None if cfg.tie_word_embeddings else ("lm_head.weight", 0)
+    if key in ("model.embed_tokens.weight", "model.norm.weight"):
+        return key.removeprefix("model."), 0
+    m = _LAYER.match(key)
+    if m is None:
+        return key, 0  # reported as unexpected by the caller
+    i, rest = m.group(1), m.group(2)
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    fused = {
+        "self_attn.q_proj": ("qkv_proj", 0), "self_attn.k_proj": ("qkv_proj", q),
+        "self_attn.v_proj": ("qkv_proj", q + kv), "mlp.gate_proj": ("gate_up_proj", 0),
+        "mlp.up_proj": ("gate_up_proj", cfg.intermediate_size),
+    }
+    module, _, leaf = rest.rpartition(".")
+    if module in fused:
+        name, row0 = fused[module]
+        return f"layers.{i}.{name}.{leaf}", row0
+    renamed = {"self_attn.o_proj": "o_proj", "mlp.down_proj": "down_proj",
+               "self_attn.q_norm": "q_norm", "self_attn.k_norm": "k_norm"}
+    return f"layers.{i}.{renamed.get(module, module)}.{leaf}", 0

@@ -1,0 +1,261 @@
+"""Token sampling for one engine step: penalties, masks, seeded draws, logprobs.
+
+Pipeline per row (vLLM / HF order): repetition penalty -> presence/frequency
+penalties -> banned ids -> temperature -> top-k -> top-p -> min-p -> sample.
+Greedy rows (``temperature == 0``) take the argmax of the penalised logits and
+consume no randomness. Random rows use the exponential race
+(``argmax(probs / Exp(1))``) so a seeded row draws its noise from its own
+generator only and gives the same tokens whatever else shares the batch.
+Logprobs come from the raw logits (before penalties, temperature and masks).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from services.common.sampling_params import SamplingParams
+
+# Cumulative mass within this of top_p counts as reaching it (float32 noise).
+_TOP_P_EPS = 1e-6
+
+
+@dataclass
+class SamplingBatch:
+    """The rows of one step that sample a token."""
+
+    params: list[SamplingParams]  # one per row
+    # Per row: a generator seeded from params.seed (owned by the sequence,
+    # advanced only by its own samples), or None for the sampler's shared one.
+    generators: list[torch.Generator | None]
+    prompt_token_ids: list[Sequence[int]]  # per row (repetition penalty)
+    output_token_ids: list[Sequence[int]]  # per row, generated so far (penalties)
+    # Per row, ids that must not be sampled this step (EOS/stop ids before min_tokens).
+    banned_token_ids: list[Sequence[int]]
+
+
+@dataclass
+class TokenLogprob:
+    """Logprob of the chosen token plus the top-N alternatives (raw logits)."""
+
+    token_id: int
+    logprob: float  # of the chosen token
+    top: list[tuple[int, float]]  # top-N (token_id, logprob), highest first
+
+
+@dataclass
+class SamplerOutput:
+    """One sampled token per row, with logprobs where requested."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]  # None where params.logprobs is None
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator on ``device`` seeded with ``seed`` (one per seeded sequence)."""
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
+
+
+def _flat_index(seqs: Sequence[Sequence[int]], vocab_size: int,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, token) index pairs for ragged ``seqs``; ids outside [0, V) dropped."""
+    lengths = [len(s) for s in seqs]
+    tok = torch.tensor(list(itertools.chain.from_iterable(seqs)), dtype=torch.long)  # [N]
+    row = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(lengths, dtype=torch.long))  # [N]
+    ok = (tok >= 0) & (tok < vocab_size)
+    return row[ok].to(device), tok[ok].to(device)
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Repetition, presence and frequency penalties; returns a new tensor if any apply.
+
+    Repetition (HF): for tokens in prompt+output, ``logit / r`` if positive else
+    ``logit * r``. Presence/frequency (OpenAI), over output tokens only:
+    ``logit -= presence * (count > 0) + frequency * count``.
+    """
+    rows = [i for i, p in enumerate(batch.params) if p.uses_penalties]
+    if not rows:
+        return logits
+    dev, (_, vocab) = logits.device, logits.shape
+    ps = [batch.params[i] for i in rows]
+    idx = torch.tensor(rows, dtype=torch.long, device=dev)  # [R]
+    x = logits[idx]  # [R, V]
+
+    counts = torch.zeros(len(rows), vocab, dtype=logits.dtype, device=dev)  # [R, V]
+    r, t = _flat_index([batch.output_token_ids[i] for i in rows], vocab, dev)
+    counts.index_put_((r, t), torch.ones_like(t, dtype=logits.dtype), accumulate=True)
+
+    rep = torch.tensor([p.repetition_penalty for p in ps], dtype=x.dtype, device=dev)[:, None]  # [R, 1]
+    if bool((rep != 1.0).any()):
+        seen = counts > 0  # [R, V] prompt or output
+        r, t = _flat_index([batch.prompt_token_ids[i] for i in rows], vocab, dev)
+        seen[r, t] = True
+        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+
+    pres = torch.tensor([p.presence_penalty for p in ps], dtype=x.dtype, device=dev)[:, None]  # [R, 1]
+    freq = torch.tensor([p.frequency_penalty for p in ps], dtype=x.dtype, device=dev)[:, None]  # [R, 1]
+    x = x - pres * (counts > 0).to(x.dtype) - freq * counts
+
+    out = logits.clone()
+    out[idx] = x
+    return out
+
+
+def apply_banned(logits: torch.Tensor, banned: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Set banned ids to -inf per row; returns a new tensor if any are banned."""
+    if not any(len(b) for b in banned):
+        return logits
+    r, t = _flat_index(banned, logits.shape[1], logits.device)
+    out = logits.clone()
+    out[r, t] = float("-inf")
+    return out
+
+
+def apply_sampling_masks(logits: torch.Tensor, top_k: torch.Tensor | None = None,
+                         top_p: torch.Tensor | None = None,
+                         min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """Mask (to -inf) tokens outside top-k, then top-p, then min-p, per row.
+
+    ``logits`` [B, V] (already temperature-scaled); ``top_k`` [B] long (>= V is
+    off), ``top_p`` [B] (1.0 is off), ``min_p`` [B] (0.0 is off). Top-k keeps
+    ties with the k-th value (as HF/vLLM). Top-p keeps the smallest set of most
+    probable tokens whose mass reaches top_p (renormalised after top-k); the
+    top token always survives.
+    """
+    neg_inf = float("-inf")
+    bsz, vocab = logits.shape
+    if top_k is not None or top_p is not None:
+        srt, order = logits.sort(dim=-1, descending=True, stable=True)  # [B, V] each
+        keep = torch.ones_like(srt, dtype=torch.bool)  # [B, V] in sorted order
+        if top_k is not None:
+            k = top_k.to(logits.device).clamp(1, vocab)  # [B]
+            kth = srt.gather(1, (k - 1)[:, None])  # [B, 1]
+            keep = srt >= kth
+        if top_p is not None:
+            p = top_p.to(logits.device, logits.dtype)  # [B]
+            probs = torch.softmax(srt.masked_fill(~keep, neg_inf), dim=-1)  # [B, V]
+            before = probs.cumsum(dim=-1) - probs  # [B, V] mass strictly ahead
+            thr = torch.where(p >= 1.0, torch.full_like(p, float("inf")), p - _TOP_P_EPS)  # [B]
+            keep = keep & (before < thr[:, None])
+            keep[:, 0] = True
+        mask = torch.empty_like(keep).scatter_(1, order, keep)  # [B, V] original order
+        logits = logits.masked_fill(~mask, neg_inf)
+    if min_p is not None:
+        probs = torch.softmax(logits, dim=-1)  # [B, V]
+        thr = probs.amax(dim=-1, keepdim=True) * min_p.to(logits.device, logits.dtype)[:, None]  # [B, 1]
+        logits = logits.masked_fill(probs < thr, neg_inf)
+    return logits
+
+
+class Sampler:
+    """Samples one token per row of a step's logits; see the module docstring."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        """``seed`` fixes the shared generator used by rows without their own."""
+        self._seed = seed
+        self._shared: dict[torch.device, torch.Generator] = {}
+
+    def shared_generator(self, device: torch.device) -> torch.Generator:
+        """The shared generator for ``device`` (created on first use)."""
+        g = self._shared.get(device)
+        if g is None:
+            g = torch.Generator(device=device)
+            if self._seed is None:
+                g.seed()
+            else:
+                g.manual_seed(self._seed)
+            self._shared[device] = g
+        return g
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """Sample from ``logits`` [B, V] (any float dtype, any device)."""
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
+        bsz, vocab = logits.shape
+        for name in ("params", "generators", "prompt_token_ids", "output_token_ids", "banned_token_ids"):
+            if len(getattr(batch, name)) != bsz:
+                raise ValueError(
+                    f"SamplingBatch.{name} has {len(getattr(batch, name))} rows, logits have {bsz}")
+        dev = logits.device
+        raw = logits.float()  # [B, V]
+        x = apply_banned(apply_penalties(raw, batch), batch.banned_token_ids)  # [B, V]
+
+        params = batch.params
+        rand = [i for i, p in enumerate(params) if not p.greedy]
+        if not rand:
+            tokens = x.argmax(dim=-1)  # [B]
+        else:
+            tokens = x.argmax(dim=-1) if len(rand) < bsz else torch.empty(bsz, dtype=torch.long, device=dev)
+            tokens[self._index(rand, bsz, dev)] = self._sample_random(x, batch, rand)
+        token_ids: list[int] = tokens.tolist()
+        return SamplerOutput(token_ids, self._logprobs(raw, tokens, params))
+
+    @staticmethod
+    def _index(rows: list[int], bsz: int, dev: torch.device) -> torch.Tensor | slice:
+        return slice(None) if len(rows) == bsz else torch.tensor(rows, dtype=torch.long, device=dev)
+
+    def _sample_random(self, x: torch.Tensor, batch: SamplingBatch, rows: list[int]) -> torch.Tensor:
+        """Tokens [R] for the non-greedy ``rows`` of the penalised logits ``x`` [B, V]."""
+        dev = x.device
+        ps = [batch.params[i] for i in rows]
+        xr = x[self._index(rows, x.shape[0], dev)]  # [R, V]
+        temp = torch.tensor([p.temperature for p in ps], dtype=xr.dtype, device=dev)  # [R]
+        xr = xr / temp[:, None]
+        vocab = xr.shape[1]
+        top_k = top_p = min_p = None
+        if any(p.top_k is not None for p in ps):
+            top_k = torch.tensor([p.top_k or vocab for p in ps], dtype=torch.long, device=dev)  # [R]
+        if any(p.top_p < 1.0 for p in ps):
+            top_p = torch.tensor([p.top_p for p in ps], dtype=xr.dtype, device=dev)  # [R]
+        if any(p.min_p > 0.0 for p in ps):
+            min_p = torch.tensor([p.min_p for p in ps], dtype=xr.dtype, device=dev)  # [R]
+        if top_k is not None or top_p is not None or min_p is not None:
+            xr = apply_sampling_masks(xr, top_k, top_p, min_p)
+        probs = torch.softmax(xr, dim=-1)  # [R, V]
+        noise = self._noise([batch.generators[i] for i in rows], vocab, dev)  # [R, V]
+        return (probs / noise).argmax(dim=-1)  # [R]
+
+    def _noise(self, gens: list[torch.Generator | None], vocab: int, dev: torch.device) -> torch.Tensor:
+        """Exp(1) noise [R, V]: own generator per seeded row, shared one for the rest."""
+        q = torch.empty(len(gens), vocab, dtype=torch.float32, device=dev)  # [R, V]
+        shared = [j for j, g in enumerate(gens) if g is None]
+        if len(shared) == len(gens):
+            q.exponential_(generator=self.shared_generator(dev))
+        elif shared:
+            idx = torch.tensor(shared, dtype=torch.long, device=dev)
+            q[idx] = torch.empty(len(shared), vocab, device=dev).exponential_(
+                generator=self.shared_generator(dev))
+        for j, g in enumerate(gens):
+            if g is not None:
+                # Always a fresh [V] draw so the stream is independent of batch layout.
+                q[j] = torch.empty(vocab, device=g.device).exponential_(generator=g).to(dev)
+        return q.clamp_min_(torch.finfo(torch.float32).tiny)  # never divide by 0
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor, tokens: torch.Tensor,
+                  params: list[SamplingParams]) -> list[TokenLogprob | None]:
+        """Logprobs from the raw logits ``raw`` [B, V] for rows that ask for them."""
+        out: list[TokenLogprob | None] = [None] * len(params)
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not rows:
+            return out
+        idx = torch.tensor(rows, dtype=torch.long, device=raw.device)  # [W]
+        lp = torch.log_softmax(raw[idx], dim=-1)  # [W, V]
+        chosen = lp.gather(1, tokens[idx][:, None]).squeeze(1).tolist()  # [W]
+        n = min(max(params[i].logprobs or 0 for i in rows), raw.shape[1])
+        top_v: list[list[float]] = [[] for _ in rows]
+        top_i: list[list[int]] = [[] for _ in rows]
+        if n > 0:
+            v, t = lp.topk(n, dim=-1)  # [W, n] each, highest first
+            top_v, top_i = v.tolist(), t.tolist()
+        tok = tokens[idx].tolist()
+        for j, i in enumerate(rows):
+            k = params[i].logprobs or 0
+            out[i] = TokenLogprob(tok[j], chosen[j], list(zip(top_i[j][:k], top_v[j][:k])))
+        return out
