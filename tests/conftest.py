@@ -17,3 +17,15 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from services.engine.default_model import write_model
 
     return write_model("tiny", tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray instance for the whole test session (ray.init costs seconds)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)
+    yield
+    ray.shutdown()

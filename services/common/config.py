@@ -68,3 +68,44 @@ class EngineConfig:
     seed: int = 0
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Pools, placement and transfer settings of one tandem cluster.
+
+    On GPU clusters each pool asks Ray for its own GPUs and, optionally, an
+    accelerator type or custom resource (e.g. prefill on high-FLOPS GPUs,
+    decode on high-bandwidth ones). On CPU, workers take a fraction of a CPU
+    and run ``threads_per_worker`` torch threads.
+    """
+
+    mode: str = "disaggregated"  # disaggregated | colocated | conditional
+    prefill_workers: int = 1
+    decode_workers: int = 1
+    engine: EngineConfig = EngineConfig()
+    threads_per_worker: int = 1
+    cpus_per_worker: float = 0.0
+    gpus_per_worker: float = 0.0
+    prefill_accelerator_type: str | None = None
+    decode_accelerator_type: str | None = None
+    prefill_resources: tuple[tuple[str, float], ...] = ()
+    decode_resources: tuple[tuple[str, float], ...] = ()
+    transfer_backend: str = "auto"  # auto | gloo | nccl
+    layer_group_size: int | None = 2  # layers per streamed group; None = one group
+    checksum: bool = False
+    transfer_timeout_s: float = 30.0
+    local_prefill_threshold: int = 64  # conditional mode: shorter prompts prefill on D
+    max_queued_requests: int = 256
+    max_attempts: int = 3
+    ray_address: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("disaggregated", "colocated", "conditional"):
+            raise ValueError(f"mode must be disaggregated, colocated or conditional, got {self.mode!r}")
+        if self.decode_workers < 1:
+            raise ValueError(f"decode_workers must be >= 1, got {self.decode_workers}")
+        if self.prefill_workers < (0 if self.mode == "colocated" else 1):
+            raise ValueError(f"prefill_workers must be >= 1 in {self.mode} mode")
+        if self.threads_per_worker < 1:
+            raise ValueError(f"threads_per_worker must be >= 1, got {self.threads_per_worker}")

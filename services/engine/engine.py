@@ -137,13 +137,22 @@ class LLMEngine:
         return len(self.scheduler.waiting)
 
     # -- the step loop --------------------------------------------------------
-    def step(self, on_layer_done: Callable[[int], None] | None = None) -> list[EngineOutput]:
-        """Run one scheduled forward pass; returns the requests that advanced or ended."""
+    def step(self, on_layer_done: Callable[[int, list[Sequence]], None] | None = None
+             ) -> list[EngineOutput]:
+        """Run one scheduled forward pass; returns the requests that advanced or ended.
+
+        ``on_layer_done(i, completing)`` runs after layer ``i`` wrote its KV, with
+        the sequences whose KV becomes complete in this step (layer-wise transfer).
+        """
         sched: SchedulerOutput = self.scheduler.schedule()
         outputs = [self._output(s, [], self._flush(s), []) for s in sched.finished]
         if not sched.scheduled:
             return outputs
-        results = self.runner.execute(sched.scheduled, on_layer_done)
+        hook = None
+        if on_layer_done is not None:
+            completing = [it.seq for it in sched.scheduled if it.samples]
+            hook = lambda i: on_layer_done(i, completing)  # noqa: E731
+        results = self.runner.execute(sched.scheduled, hook)
         self.scheduler.on_step_done(sched)
         self.num_steps += 1
         for item, sampled in zip(sched.scheduled, results):
@@ -164,12 +173,13 @@ class LLMEngine:
         if reason is None and (len(seq.output_token_ids) >= (p.max_tokens or 1 << 62)
                                or seq.num_tokens >= self.max_model_len):
             reason = FinishReason.LENGTH
-        if reason is not None:
-            if not hit_stop:
-                text += self._flush(seq)  # release text held back for a possible stop string
-            self.scheduler.finish(seq, reason)
-        elif self.scheduler.role == EngineRole.PREFILL:
+        if reason is not None and not hit_stop:
+            text += self._flush(seq)  # release text held back for a possible stop string
+        if self.scheduler.role == EngineRole.PREFILL:
+            seq.finish_reason = reason  # the KV is held for export either way; release() frees it
             self.scheduler.hold_prefilled(seq)
+        elif reason is not None:
+            self.scheduler.finish(seq, reason)
         return self._output(seq, [token], text, lps)
 
     def _start_detok(self, seq: Sequence) -> None:
@@ -208,7 +218,7 @@ class LLMEngine:
         """Prefill role: free a held request once its KV has been sent (or given up)."""
         seq = self.scheduler.prefilled.get(request_id)
         if seq is not None:
-            self.scheduler.finish(seq, FinishReason.STOP)
+            self.scheduler.finish(seq, seq.finish_reason or FinishReason.STOP)
             self._detok.pop(request_id, None)
 
     def reserve(self, request_id: str, prompt_token_ids: Seq[int],
@@ -251,3 +261,16 @@ class LLMEngine:
             return False
         self.scheduler.kv.free(seq)
         return True
+
+    # -- load report (router input) ---------------------------------------------
+    def load_snapshot(self) -> dict:
+        """Counters the router places requests by."""
+        sched = self.scheduler
+        queued = sum(s.num_uncomputed_tokens for s in sched.waiting)
+        queued += sum(s.num_uncomputed_tokens for s in sched.running if s.num_uncomputed_tokens > 1)
+        return dict(total_blocks=self.block_pool.num_blocks, free_blocks=self.block_pool.num_free,
+                    block_size=self.config.cache.block_size, running=len(sched.running),
+                    waiting=len(sched.waiting), queued_prefill_tokens=queued,
+                    max_num_seqs=self.config.scheduler.max_num_seqs,
+                    held=len(sched.prefilled) + len(self._reserved),
+                    request_ids=frozenset(sched.seqs) | frozenset(self._reserved))

@@ -7,22 +7,14 @@ a cache hit until it is handed out again (then its hash is evicted).
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
+
+from services.common.block_hash import hash_block  # noqa: F401  (re-exported)
 
 
 class NoFreeBlocksError(RuntimeError):
     """Raised when an allocation asks for more blocks than are free."""
-
-
-def hash_block(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
-    """Stable content hash of a full block: its tokens chained to its parent's hash."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(parent_hash or b"root")
-    h.update(array("q", token_ids).tobytes())
-    return h.digest()
 
 
 class BlockPool:

@@ -1,0 +1,177 @@
+"""The prefill worker: an engine in the prefill role plus the sending end of KV transfer.
+
+It computes a prompt's KV, samples token #1 from its own logits and returns it
+at once (TTFT does not wait for the transfer); meanwhile each layer group's
+KV, complete as soon as that group's forward finishes, is pushed to the
+blocks the decode worker reserved. The request's blocks are freed when the
+last group has been sent or the send failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+
+import torch
+
+from services.common.config import EngineConfig, EngineRole
+from services.engine.engine import EngineOutput, LLMEngine
+from services.engine.engine_loop import EngineLoop
+from services.engine.sequence import Sequence
+from services.protocol.messages import CompatibilityDescriptor, KVTransferDescriptor
+from services.protocol.request_path import PrefillRequest, PrefillResult, TokenLogprob
+from services.transfer.endpoint import compatibility, make_sender, open_channel
+from services.transfer.sender import SendJob, SendReport
+
+log = logging.getLogger(__name__)
+
+
+class RequestAbortedError(RuntimeError):
+    """The request was aborted before its first token."""
+
+
+class PrefillWorker:
+    """Wrap with ``ray.remote`` (async actor); one engine, one sender."""
+
+    def __init__(self, worker_id: str, config: EngineConfig) -> None:
+        self.worker_id = worker_id
+        if config.num_threads is not None:
+            os.environ["OMP_NUM_THREADS"] = str(config.num_threads)
+            torch.set_num_threads(config.num_threads)
+        cfg = dataclasses.replace(config, scheduler=dataclasses.replace(
+            config.scheduler, role=EngineRole.PREFILL))
+        self.engine = LLMEngine(cfg, detokenize=False)
+        self.loop = EngineLoop(self.engine, on_layer_done=self._on_layer_done)
+        self.sender = None
+        self._descriptors: dict[str, KVTransferDescriptor] = {}
+        self._by_transfer: dict[str, str] = {}  # transfer id -> request id
+        self._sending: set[str] = set()  # requests whose final step ran: sends queued
+        self.kv_bytes_sent = 0
+        self.transfer_failures = 0
+
+    # -- setup ------------------------------------------------------------------
+    def ready(self) -> str:
+        return self.worker_id
+
+    def compatibility(self) -> CompatibilityDescriptor:
+        return compatibility(self.engine)
+
+    def join_transfer_group(self, backend: str, world_size: int, rank: int, group_name: str,
+                            timeout_ms: int = 30_000) -> int:
+        """Become ``rank`` of the transfer group (all workers call this together)."""
+        channel = open_channel(backend, world_size, rank, group_name, timeout_ms)
+        self.sender = make_sender(channel, self.engine, self._on_sent)
+        return rank
+
+    def load(self) -> dict:
+        return {**self.engine.load_snapshot(), "worker_id": self.worker_id, "role": "prefill",
+                "alive": self.loop.error is None}
+
+    def stats(self) -> dict:
+        return {**self.load(), "kv_bytes_sent": self.kv_bytes_sent,
+                "transfer_failures": self.transfer_failures,
+                "num_preemptions": self.engine.scheduler.num_preemptions}
+
+    # -- requests ---------------------------------------------------------------
+    async def prefill(self, req: PrefillRequest, timeout_s: float = 120.0) -> PrefillResult:
+        """Prefill, start pushing KV to ``req.descriptor``, return token #1."""
+        if req.descriptor is not None and self.sender is None:
+            raise RuntimeError(f"prefill worker {self.worker_id} has not joined a transfer group")
+        aio = asyncio.get_running_loop()
+        first: asyncio.Future[EngineOutput] = aio.create_future()
+
+        def sink(out: EngineOutput) -> None:
+            aio.call_soon_threadsafe(lambda: first.done() or first.set_result(out))
+
+        rid = req.request_id
+        self.loop.open_stream(rid, sink)
+        if req.descriptor is not None:
+            self._descriptors[rid] = req.descriptor
+            self._by_transfer[req.descriptor.transfer_id] = rid
+        try:
+            await asyncio.wrap_future(self.loop.submit(
+                lambda e: e.add_request(rid, req.prompt_token_ids, req.sampling_params)))
+            out = await asyncio.wait_for(first, timeout_s)
+        except BaseException:
+            await self.abort(rid)
+            raise
+        finally:
+            self.loop.close_stream(rid)
+        if not out.new_token_ids:
+            raise RequestAbortedError(f"{rid} was aborted during prefill")
+        if req.descriptor is None:
+            self.loop.submit(lambda e: e.release(rid))
+        lp = out.new_logprobs[0] if out.new_logprobs else None
+        return PrefillResult(
+            request_id=rid, first_token_id=out.new_token_ids[0],
+            num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
+            first_logprob=TokenLogprob.of(lp) if lp is not None else None,
+            kv_bytes=self._kv_bytes(req))
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a prefill; KV already queued for sending is freed once the sends end."""
+        def run(e: LLMEngine) -> None:
+            if request_id in self._sending:
+                return  # the sender's completion frees it
+            d = self._descriptors.pop(request_id, None)
+            if d is not None:
+                self._by_transfer.pop(d.transfer_id, None)
+            out = e.abort(request_id)
+            e.release(request_id)
+            if out is not None:
+                self.loop.dispatch([out])  # wakes a prefill() waiting on it
+        await asyncio.wrap_future(self.loop.submit(run))
+
+    def _kv_bytes(self, req: PrefillRequest) -> int:
+        d = req.descriptor
+        if d is None:
+            return 0
+        cache = self.engine.kv_cache
+        per_layer = cache.bytes_per_block(1, cache.block_size, cache.num_kv_heads, cache.head_dim,
+                                          cache.dtype)
+        return per_layer * len(d.block_ids) * sum(g.num_layers for g in d.layer_groups)
+
+    # -- transfer (engine loop thread / sender thread) ----------------------------
+    def _on_layer_done(self, layer: int, completing: list[Sequence]) -> None:
+        for seq in completing:
+            d = self._descriptors.get(seq.seq_id)
+            if d is None:
+                continue
+            n_blocks = len(d.block_ids)
+            if len(seq.block_ids) < n_blocks:
+                raise RuntimeError(f"{seq.seq_id}: {len(seq.block_ids)} blocks, "
+                                   f"decode reserved {n_blocks}")
+            for g, group in enumerate(d.layer_groups):
+                if group.stop == layer + 1:
+                    final = g == len(d.layer_groups) - 1
+                    if final:
+                        self._sending.add(seq.seq_id)
+                    self.sender.submit(SendJob(
+                        transfer_id=d.transfer_id, dst_rank=d.dst_rank,
+                        src_block_ids=seq.block_ids[:n_blocks], layers=group.layers,
+                        layer_group=g, final=final, with_checksum=d.checksum))
+
+    def _on_sent(self, report: SendReport) -> None:
+        rid = self._by_transfer.get(report.transfer_id)
+        if rid is None:
+            return
+        if report.ok:
+            self.kv_bytes_sent += report.num_bytes
+        else:
+            self.transfer_failures += 1
+            log.warning("transfer %s failed: %s", report.transfer_id, report.error)
+
+        def release(e: LLMEngine) -> None:
+            self._by_transfer.pop(report.transfer_id, None)
+            self._descriptors.pop(rid, None)
+            self._sending.discard(rid)
+            e.release(rid)
+        self.loop.submit(release)
+
+    def shutdown(self) -> None:
+        self.loop.stop()
+        if self.sender is not None:
+            self.sender.close()
+            self.sender.channel.close()

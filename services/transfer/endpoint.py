@@ -1,0 +1,43 @@
+"""A worker's end of the KV transfer group: compatibility handshake, channel, sender/receiver."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from services.engine.engine import LLMEngine
+from services.protocol.messages import CompatibilityDescriptor
+from services.transfer.channel import CollectiveChannel, KVChannel
+from services.transfer.receiver import KVReceiver
+from services.transfer.sender import KVSender, SendReport
+
+
+def compatibility(engine: LLMEngine) -> CompatibilityDescriptor:
+    """What a peer's KV layout must match for blocks to be copied byte for byte."""
+    mc, cache = engine.model_config, engine.kv_cache
+    return CompatibilityDescriptor(
+        model_id=f"{mc.architecture}:{_config_digest(engine.model_path)}", dtype=str(engine.dtype).removeprefix("torch."),
+        num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+        block_size=cache.block_size, layout_version=cache.LAYOUT_VERSION)
+
+
+def open_channel(backend: str, world_size: int, rank: int, group_name: str,
+                 timeout_ms: int) -> KVChannel:
+    return CollectiveChannel(backend, world_size, rank, group_name, timeout_ms)
+
+
+def make_sender(channel: KVChannel, engine: LLMEngine,
+                on_done: Callable[[SendReport], None]) -> KVSender:
+    cache = engine.kv_cache
+    return KVSender(channel, cache.gather, cache.block_shape, cache.dtype, on_done)
+
+
+def make_receiver(channel: KVChannel, engine: LLMEngine, peers: Sequence[int]) -> KVReceiver:
+    cache = engine.kv_cache
+    return KVReceiver(channel, peers, cache.scatter, cache.block_shape, cache.dtype)
+
+
+def _config_digest(model_path: str) -> str:
+    """Same checkpoint config wherever it is mounted."""
+    return hashlib.sha256((Path(model_path) / "config.json").read_bytes()).hexdigest()[:16]

@@ -1,0 +1,149 @@
+"""Decode side of the KV protocol: receive layer groups into blocks reserved in advance.
+
+One thread per prefill peer reads header, then payload, in the order that
+peer sent them; the header's transfer id and layer group say where the bytes
+go. Bytes for a transfer that is unknown or was aborted are drained into
+staging and dropped, so the stream stays aligned. A transfer's blocks are
+written only under its lock, so ``abort`` returning means no write is in
+flight and the blocks can be freed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from services.protocol.messages import HEADER_BYTES, TransferStatus, decode_header
+from services.transfer.channel import KVChannel
+from services.transfer.staging import StagingBuffer, checksum
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PendingTransfer:
+    transfer_id: str
+    src_rank: int
+    block_ids: list[int]
+    layer_groups: list[range]
+    status: TransferStatus = TransferStatus.WAITING
+    error: str | None = None
+    received: set[int] = field(default_factory=set)
+    num_bytes: int = 0
+    started: float = field(default_factory=time.perf_counter)
+    seconds: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class KVReceiver:
+    """Receives from every prefill rank in ``peers`` and scatters into the local cache."""
+
+    def __init__(self, channel: KVChannel, peers: Sequence[int],
+                 scatter: Callable[[Sequence[int], range, torch.Tensor], None],
+                 block_shape: Callable[[int, range], tuple[int, ...]], dtype: torch.dtype) -> None:
+        self.channel, self._scatter, self._block_shape, self.dtype = channel, scatter, block_shape, dtype
+        self._pending: dict[str, PendingTransfer] = {}
+        self._lock = threading.Lock()
+        self.bytes_received = 0
+        self.dead_peers: set[int] = set()
+        self._threads = [threading.Thread(target=self._run, args=(p,), name=f"kv-recv-{p}",
+                                          daemon=True) for p in peers]
+        for t in self._threads:
+            t.start()
+
+    def expect(self, transfer_id: str, src_rank: int, block_ids: Sequence[int],
+               layer_groups: Sequence[range]) -> PendingTransfer:
+        """Register a transfer before its prefill starts (blocks already reserved)."""
+        pt = PendingTransfer(transfer_id, src_rank, list(block_ids), list(layer_groups))
+        with self._lock:
+            if src_rank in self.dead_peers:
+                raise ConnectionError(f"prefill rank {src_rank} is unreachable")
+            if transfer_id in self._pending:
+                raise ValueError(f"transfer {transfer_id!r} is already expected")
+            self._pending[transfer_id] = pt
+        return pt
+
+    def wait(self, transfer_id: str, timeout: float) -> PendingTransfer:
+        """Block until the transfer is DONE or FAILED, or ``timeout`` passes (then FAILED)."""
+        pt = self._pending.get(transfer_id)
+        if pt is None:
+            raise KeyError(f"transfer {transfer_id!r} is not expected")
+        if not pt.done.wait(timeout):
+            self._finish(pt, TransferStatus.FAILED, f"no KV within {timeout:.1f}s")
+        return pt
+
+    def abort(self, transfer_id: str) -> None:
+        """Stop writing into the transfer's blocks; returns once no write is in flight."""
+        pt = self._pending.get(transfer_id)
+        if pt is not None:
+            self._finish(pt, TransferStatus.ABORTED, "aborted")
+
+    def forget(self, transfer_id: str) -> None:
+        """Drop a finished transfer's record (after the caller consumed its status)."""
+        with self._lock:
+            pt = self._pending.pop(transfer_id, None)
+        if pt is not None and pt.status not in (TransferStatus.DONE, TransferStatus.FAILED,
+                                                TransferStatus.ABORTED):
+            self._finish(pt, TransferStatus.ABORTED, "forgotten")
+
+    def _finish(self, pt: PendingTransfer, status: TransferStatus, error: str | None) -> None:
+        with pt.lock:
+            if pt.done.is_set():
+                return
+            pt.status, pt.error = status, error
+            pt.seconds = time.perf_counter() - pt.started
+            pt.done.set()
+
+    def _run(self, peer: int) -> None:
+        header_buf = torch.zeros(HEADER_BYTES, dtype=torch.uint8, device=self.channel.device)
+        staging = StagingBuffer(self.channel.device)
+        while True:
+            try:
+                self.channel.recv(header_buf, peer)
+                header = decode_header(header_buf.cpu().numpy().tobytes())
+                payload = staging.view(header.num_bytes)
+                self.channel.recv(payload, peer)
+            except Exception as e:  # the peer died or the group broke
+                log.warning("KV receive from rank %d stopped: %s", peer, e)
+                self.dead_peers.add(peer)
+                with self._lock:
+                    lost = list(self._pending.values())
+                for pt in lost:
+                    if pt.src_rank == peer:
+                        self._finish(pt, TransferStatus.FAILED, f"prefill rank {peer} lost: {e}")
+                return
+            self.bytes_received += header.num_bytes
+            self._deliver(header, payload)
+
+    def _deliver(self, header, payload: torch.Tensor) -> None:
+        pt = self._pending.get(header.transfer_id)
+        if pt is None:
+            return  # unknown or forgotten: drained
+        with pt.lock:
+            if pt.done.is_set():
+                return  # aborted or timed out: drained
+            g = header.layer_group
+            if not 0 <= g < len(pt.layer_groups) or g in pt.received:
+                pt.status, pt.error = TransferStatus.FAILED, f"unexpected layer group {g}"
+                pt.done.set()
+                return
+            if header.checksum is not None and checksum(payload) != header.checksum:
+                pt.status, pt.error = TransferStatus.FAILED, f"checksum mismatch in group {g}"
+                pt.done.set()
+                return
+            layers = pt.layer_groups[g]
+            shape = self._block_shape(len(pt.block_ids), layers)
+            self._scatter(pt.block_ids, layers, payload.view(self.dtype).view(shape))
+            pt.status = TransferStatus.TRANSFERRING
+            pt.received.add(g)
+            pt.num_bytes += header.num_bytes
+            if len(pt.received) == len(pt.layer_groups):
+                pt.status = TransferStatus.DONE
+                pt.seconds = time.perf_counter() - pt.started
+                pt.done.set()
