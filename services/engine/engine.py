@@ -18,7 +18,7 @@ import torch
 
 from services.common.config import EngineConfig, EngineRole
 from services.common.sampling_params import FinishReason, SamplingParams
-from services.engine.detokenizer import IncrementalDetokenizer
+from services.text.detokenizer import IncrementalDetokenizer
 from services.engine.kv_cache.block_pool import BlockPool
 from services.engine.kv_cache.kv_manager import KVCacheManager, blocks_needed
 from services.engine.kv_cache.paged_cache import PagedKVCache
@@ -28,7 +28,7 @@ from services.engine.model_runner import ModelRunner, SampledToken
 from services.engine.sampler import Sampler, TokenLogprob
 from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.sequence import Sequence, SequenceStatus
-from services.engine.tokenizer import Tokenizer
+from services.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -8,13 +8,13 @@ from pathlib import Path
 
 SERVICES = Path(__file__).resolve().parents[2] / "services"
 
-LAYERS = {"common": 0, "protocol": 1, "engine": 2, "transfer": 3, "prefill": 4, "decode": 4,
+LAYERS = {"common": 0, "protocol": 1, "text": 1, "engine": 2, "transfer": 3, "prefill": 4, "decode": 4,
           "router": 5, "gateway": 6, "cluster": 7, "bench": 7}
 ALLOWED_SAME_LAYER = {("cluster", "bench")}
 # Third-party imports a package may not make at all (besides what the layers forbid).
 FORBIDDEN = {"router": {"torch", "cupy"}, "gateway": {"torch", "cupy"},
              "common": {"torch", "ray", "fastapi", "pydantic", "cupy"},
-             "protocol": {"torch", "cupy"}}
+             "protocol": {"torch", "cupy"}, "text": {"torch", "cupy", "ray"}}
 STDLIB = set(sys.stdlib_module_names)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import codecs
 from collections.abc import Sequence
 
-from services.engine.tokenizer import Tokenizer
+from services.text.tokenizer import Tokenizer
 
 _REPLACEMENT = "\ufffd"
 
