@@ -109,7 +109,7 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: Seq[int],
                     params: SamplingParams, arrival_time: float | None = None) -> None:
         """Validate and queue a request for prefill (local prefill in any role)."""
-        if self.scheduler.get(request_id) is not None:
+        if self.scheduler.get(request_id) is not None or request_id in self._reserved:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
         seq = Sequence(request_id, list(prompt_token_ids), params,
@@ -121,7 +121,12 @@ class LLMEngine:
         """Stop a request wherever it is and free its blocks; None if unknown or done."""
         seq = self.scheduler.get(request_id)
         if seq is None:
-            return None
+            seq = self._reserved.get(request_id)
+            if seq is None:
+                return None
+            self.cancel_reserved(request_id)  # reserved for an import that will not come
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.ABORT
+            return self._output(seq, [], "", [])
         self.scheduler.finish(seq, FinishReason.ABORT)
         return self._output(seq, [], "", [])
 

@@ -96,18 +96,21 @@ class LLM:
              ) -> list[RequestOutput]:
         results: list[RequestOutput] = []
         where: dict[str, tuple[RequestOutput, CompletionOutput]] = {}
+        queue = []
         for prompt, ids, p in requests:
             req = RequestOutput(str(next(self._ids)), prompt, ids)
             results.append(req)
             for i in range(p.n):
                 sub = p if p.n == 1 else dataclasses.replace(
-                    p, n=1, seed=None if p.seed is None else p.seed + i)
+                    p, n=1, seed=None if p.seed is None else (p.seed + i) % 2**63)
                 rid = f"{req.request_id}-{i}"
                 comp = CompletionOutput(i, "", [], None, [] if p.logprobs is not None else None)
                 req.outputs.append(comp)
                 where[rid] = (req, comp)
-                self.engine.add_request(rid, ids, sub)
+                queue.append((rid, ids, sub))
         try:
+            for rid, ids, sub in queue:
+                self.engine.add_request(rid, ids, sub)
             while self.engine.has_unfinished():
                 for out in self.engine.step():
                     req, comp = where[out.request_id]

@@ -97,10 +97,11 @@ class ModelConfig:
 
 def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
     """Merge old (``rope_theta`` + ``rope_scaling``) and new (``rope_parameters``) spellings."""
-    params = dict(cfg.get("rope_scaling") or {})
-    params.update(cfg.get("rope_parameters") or {})
-    if "rope_theta" not in params and "rope_theta" in cfg:
-        params["rope_theta"] = cfg["rope_theta"]
+    params = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})  # HF's precedence
+    if "rope_theta" not in params:
+        theta = cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta"))
+        if theta is not None:
+            params["rope_theta"] = theta
     return params
 
 

@@ -57,10 +57,11 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
                     raise ValueError(f"unexpected tensor {key!r} in {file.name} for {cfg.architecture}")
                 src = f.get_tensor(key)
                 dst = params[name].data
-                rows = dst[row0:row0 + src.shape[0]]
-                if rows.shape != src.shape:
+                expected = (_rows(key, cfg, dst.shape[0]),) + tuple(dst.shape[1:])
+                if tuple(src.shape) != expected:
                     raise ValueError(f"tensor {key!r} has shape {tuple(src.shape)}, "
-                                     f"expected {tuple(rows.shape)} ({cfg.architecture})")
+                                     f"expected {expected} ({cfg.architecture})")
+                rows = dst[row0:row0 + src.shape[0]]
                 rows.copy_(src.to(dtype))
                 filled[name] += src.numel()
     missing = [n for n, c in filled.items() if c != needed[n]]
@@ -96,3 +97,14 @@ def _target(key: str, cfg: ModelConfig) -> tuple[str, int] | None:
     renamed = {"self_attn.o_proj": "o_proj", "mlp.down_proj": "down_proj",
                "self_attn.q_norm": "q_norm", "self_attn.k_norm": "k_norm"}
     return f"layers.{i}.{renamed.get(module, module)}.{leaf}", 0
+
+
+def _rows(key: str, cfg: ModelConfig, full: int) -> int:
+    """Rows a checkpoint tensor fills in its (possibly fused) parameter."""
+    if ".q_proj." in key:
+        return cfg.num_heads * cfg.head_dim
+    if ".k_proj." in key or ".v_proj." in key:
+        return cfg.num_kv_heads * cfg.head_dim
+    if ".gate_proj." in key or ".up_proj." in key:
+        return cfg.intermediate_size
+    return full
