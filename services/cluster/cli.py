@@ -46,9 +46,9 @@ def _make_model(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from services.bench import offline
+    import importlib
 
-    return offline.main(args)
+    return importlib.import_module(f"services.bench.{args.bench}").main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,11 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from services.bench.offline import add_arguments
+    from services.bench import offline, transfer
 
-    off = bench_sub.add_parser("offline", help="offline throughput vs HF transformers")
-    add_arguments(off)
-    off.set_defaults(func=_bench)
+    for name, module, text in (("offline", offline, "engine throughput vs HF transformers"),
+                               ("transfer", transfer, "KV transfer bandwidth and added TTFT")):
+        sp = bench_sub.add_parser(name, help=text)
+        module.add_arguments(sp)
+        sp.set_defaults(func=_bench)
     return parser
 
 
