@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import threading
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -43,6 +44,10 @@ class Cluster:
         self._ids = itertools.count()
         self._refresher: asyncio.Task | None = None
         self._owns_ray = False
+        self.replacements = 0
+        self._healing: asyncio.Future | None = None
+        self._serving = threading.Event()  # cleared while the transfer group is rebuilt
+        self._serving.set()
 
     # -- lifecycle --------------------------------------------------------------
     def start(self, timeout_s: float = 300.0) -> Cluster:
@@ -61,14 +66,15 @@ class Cluster:
         n_prefill = 0 if colocated else cfg.prefill_workers
         n_decode = cfg.decode_workers + (cfg.prefill_workers if colocated else 0)
         self._progress(f"loading {model} on {n_prefill} prefill + {n_decode} decode workers")
-        pre = [self._actor(PrefillWorker, "prefill", i, engine) for i in range(n_prefill)]
-        dec = [self._actor(DecodeWorker, "decode", i, engine, colocated) for i in range(n_decode)]
-        ray.get([a.ready.remote() for a, _ in pre + dec], timeout=timeout_s)
-        if not colocated:
-            self._connect(pre, dec, timeout_s)
-        self.prefill = [RayPrefill(a, wid, "prefill", rank=i) for i, (a, wid) in enumerate(pre)]
+        self._engine = engine
         role = "both" if colocated else "decode"
-        self.decode = [RayDecode(a, wid, role, rank=n_prefill + i) for i, (a, wid) in enumerate(dec)]
+        self.prefill = [RayPrefill(self._actor(PrefillWorker, f"prefill-{i}"), f"prefill-{i}",
+                                   "prefill", rank=i) for i in range(n_prefill)]
+        self.decode = [RayDecode(self._actor(DecodeWorker, f"decode-{i}"), f"decode-{i}", role,
+                                 rank=n_prefill + i) for i in range(n_decode)]
+        ray.get([w.actor.ready.remote() for w in self.prefill + self.decode], timeout=timeout_s)
+        if not colocated:
+            self._connect(timeout_s)
         self.router = Router(RouterConfig(
             mode=cfg.mode, local_prefill_threshold=cfg.local_prefill_threshold,
             max_queued_requests=cfg.max_queued_requests, block_size=cfg.engine.cache.block_size),
@@ -78,38 +84,79 @@ class Cluster:
         self._progress("cluster ready")
         return self
 
-    def _actor(self, cls, role: str, i: int, engine, colocated: bool = False):
+    def _actor(self, cls, worker_id: str):
         cfg = self.config
-        worker_id = f"{role}-{i}"
+        prefill = cls is PrefillWorker
         opts: dict = dict(num_cpus=cfg.cpus_per_worker, num_gpus=cfg.gpus_per_worker,
-                          max_concurrency=10_000, name=f"tandem-{worker_id}-{uuid.uuid4().hex[:6]}")
-        accel = cfg.prefill_accelerator_type if role == "prefill" else cfg.decode_accelerator_type
+                          max_concurrency=10_000,
+                          name=f"tandem-{worker_id}-{uuid.uuid4().hex[:6]}")
+        accel = cfg.prefill_accelerator_type if prefill else cfg.decode_accelerator_type
         if accel:
             opts["accelerator_type"] = accel
-        resources = dict(cfg.prefill_resources if role == "prefill" else cfg.decode_resources)
+        resources = dict(cfg.prefill_resources if prefill else cfg.decode_resources)
         if resources:
             opts["resources"] = resources
-        args = (worker_id, engine) if cls is PrefillWorker else (
-            worker_id, engine, cfg.transfer_timeout_s, "both" if colocated else "decode")
-        return ray.remote(cls).options(**opts).remote(*args), worker_id
+        args = (worker_id, self._engine) if prefill else (
+            worker_id, self._engine, cfg.transfer_timeout_s,
+            "both" if cfg.mode == "colocated" else "decode")
+        return ray.remote(cls).options(**opts).remote(*args)
 
-    def _connect(self, pre, dec, timeout_s: float) -> None:
+    def _connect(self, timeout_s: float) -> None:
         """Check every P-D pair's KV layout, then build one transfer group over all of them."""
-        p_compat = ray.get([a.compatibility.remote() for a, _ in pre], timeout=timeout_s)
-        d_compat = ray.get([a.compatibility.remote() for a, _ in dec], timeout=timeout_s)
-        for (_, pid), pc in zip(pre, p_compat):
-            for (_, did), dc in zip(dec, d_compat):
-                dc.check(pc, ours=did, theirs=pid)
+        pre, dec = self.prefill, self.decode
+        p_compat = ray.get([w.actor.compatibility.remote() for w in pre], timeout=timeout_s)
+        d_compat = ray.get([w.actor.compatibility.remote() for w in dec], timeout=timeout_s)
+        for p, pc in zip(pre, p_compat):
+            for d, dc in zip(dec, d_compat):
+                dc.check(pc, ours=d.worker_id, theirs=p.worker_id)
         backend = self.config.transfer_backend
         if backend == "auto":
             backend = "nccl" if self.config.engine.device.startswith("cuda") else "gloo"
         world, group = len(pre) + len(dec), f"tandem-kv-{uuid.uuid4().hex[:8]}"
-        ranks = list(range(len(pre)))
-        calls = [a.join_transfer_group.remote(backend, world, i, group) for i, (a, _) in enumerate(pre)]
-        calls += [a.join_transfer_group.remote(backend, world, len(pre) + j, group, ranks)
-                  for j, (a, _) in enumerate(dec)]
+        ranks = [w.rank for w in pre]
+        calls = [w.actor.join_transfer_group.remote(backend, world, w.rank, group) for w in pre]
+        calls += [w.actor.join_transfer_group.remote(backend, world, w.rank, group, ranks)
+                  for w in dec]
         ray.get(calls, timeout=timeout_s)
         self._progress(f"transfer group {group} ({backend}, {world} ranks) connected")
+
+    def replace_dead(self, timeout_s: float = 300.0) -> list[str]:
+        """Start a new actor for every dead worker and rebuild the transfer group around it.
+
+        Transfers in flight during the rebuild fail and their requests are re-driven.
+        Returns the ids of the replaced workers.
+        """
+        dead = []
+        for w in self.prefill + self.decode:
+            try:
+                alive = ray.get(w.actor.load.remote(), timeout=10)["alive"]
+            except Exception:
+                alive = False
+            if not alive:
+                dead.append(w)
+        if not dead:
+            return []
+        self._progress(f"replacing {', '.join(w.worker_id for w in dead)}")
+        self._serving.clear()
+        try:
+            self._replace(dead, timeout_s)
+        finally:
+            self._serving.set()
+        return [w.worker_id for w in dead]
+
+    def _replace(self, dead: list, timeout_s: float) -> None:
+        for w in dead:
+            with contextlib.suppress(Exception):
+                ray.kill(w.actor, no_restart=True)
+            w.actor = self._actor(PrefillWorker if w in self.prefill else DecodeWorker, w.worker_id)
+        ray.get([w.actor.ready.remote() for w in dead], timeout=timeout_s)
+        if self.config.mode != "colocated":
+            live = [w for w in self.prefill + self.decode if w not in dead]
+            ray.get([w.actor.leave_transfer_group.remote() for w in live], timeout=timeout_s)
+            self._connect(timeout_s)
+        for w in dead:
+            self.router.add_worker(w)  # same id: revives it in the router
+        self.replacements += len(dead)
 
     def shutdown(self) -> None:
         if self._refresher is not None:
@@ -125,9 +172,19 @@ class Cluster:
     async def refresh_loads(self) -> None:
         await asyncio.gather(*(w.refresh() for w in self.prefill + self.decode))
 
+    def _heal(self) -> None:
+        try:
+            self.replace_dead()
+        except Exception:
+            log.exception("replacing dead workers failed; will retry")
+
     async def _refresh_forever(self) -> None:
         while True:
             await self.refresh_loads()
+            workers = self.prefill + self.decode
+            if any(not w.load().alive for w in workers) and (
+                    self._healing is None or self._healing.done()):
+                self._healing = asyncio.ensure_future(asyncio.to_thread(self._heal))
             await asyncio.sleep(LOAD_REFRESH_S)
 
     async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -138,6 +195,8 @@ class Cluster:
         if self._refresher is None or self._refresher.done():
             await self.refresh_loads()
             self._refresher = asyncio.get_running_loop().create_task(self._refresh_forever())
+        if not self._serving.is_set():  # a rebuild is under way: wait for it (bounded)
+            await asyncio.to_thread(self._serving.wait, 60.0)
         rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         async with contextlib.aclosing(self.driver.generate(rid, prompt_token_ids, params)) as gen:
             async for delta in gen:

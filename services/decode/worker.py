@@ -24,6 +24,7 @@ from services.protocol.messages import (CompatibilityDescriptor, KVTransferDescr
                                         TransferStatus, layer_groups)
 from services.protocol.request_path import DecodeRequest, TokenDelta, TokenLogprob
 from services.transfer.endpoint import compatibility, make_receiver, open_channel
+from services.transfer.receiver import KVReceiver
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ class DecodeWorker:
         self.receiver = None
         self.rank: int | None = None
         self.transfer_timeout_s = transfer_timeout_s
-        self._transfers: dict[str, str] = {}  # request id -> transfer id
+        self._transfers: dict[str, tuple[str, KVReceiver]] = {}  # request -> (transfer, receiver)
         self.kv_bytes_received = 0
         self.transfer_failures = 0
 
@@ -66,6 +67,12 @@ class DecodeWorker:
         self.rank = rank
         return rank
 
+    def leave_transfer_group(self) -> None:
+        """Leave the group; transfers still in flight fail (and their requests are re-driven)."""
+        if self.receiver is not None:
+            receiver, self.receiver = self.receiver, None
+            receiver.channel.close()
+
     def load(self) -> dict:
         return {**self.engine.load_snapshot(), "worker_id": self.worker_id, "role": self.role,
                 "alive": self.loop.error is None}
@@ -81,18 +88,19 @@ class DecodeWorker:
                       layer_group_size: int | None = None, checksum: bool = False
                       ) -> KVTransferDescriptor | None:
         """Take blocks for the prompt and expect its KV from ``src_rank``; None when full."""
-        if self.receiver is None:
-            raise RuntimeError(f"decode worker {self.worker_id} has not joined a transfer group")
+        receiver = self.receiver
+        if receiver is None:
+            raise TransferFailedError(f"decode worker {self.worker_id} is not in a transfer group")
         blocks = await self._run(lambda e: e.reserve(request_id, prompt_token_ids, params))
         if blocks is None:
             return None
         groups = layer_groups(self.engine.model_config.num_layers, layer_group_size)
         try:
-            self.receiver.expect(transfer_id, src_rank, blocks, [g.layers for g in groups])
-        except Exception:
+            receiver.expect(transfer_id, src_rank, blocks, [g.layers for g in groups])
+        except Exception as e:
             await self._run(lambda e: e.cancel_reserved(request_id))
-            raise
-        self._transfers[request_id] = transfer_id
+            raise TransferFailedError(f"{request_id}: {e}") from e
+        self._transfers[request_id] = (transfer_id, receiver)
         return KVTransferDescriptor(
             request_id=request_id, transfer_id=transfer_id, block_ids=tuple(blocks),
             layer_groups=groups, src_rank=src_rank, dst_rank=self.rank,
@@ -100,10 +108,11 @@ class DecodeWorker:
 
     async def cancel(self, request_id: str) -> None:
         """Give up a reservation: stop writes into its blocks, then free them."""
-        tid = self._transfers.pop(request_id, None)
-        if tid is not None:
-            await asyncio.to_thread(self.receiver.abort, tid)
-            self.receiver.forget(tid)
+        entry = self._transfers.pop(request_id, None)
+        if entry is not None:
+            tid, receiver = entry
+            await asyncio.to_thread(receiver.abort, tid)  # returns once no write is in flight
+            receiver.forget(tid)
         await self._run(lambda e: e.cancel_reserved(request_id))
 
     async def decode(self, req: DecodeRequest) -> AsyncIterator[TokenDelta]:
@@ -154,11 +163,12 @@ class DecodeWorker:
             self.loop.dispatch([out])
 
     async def _await_transfer(self, req: DecodeRequest) -> None:
-        tid = self._transfers.pop(req.request_id, None)
-        if tid is None:
+        entry = self._transfers.pop(req.request_id, None)
+        if entry is None:
             raise TransferFailedError(f"{req.request_id}: no reservation on {self.worker_id}")
-        pt = await asyncio.to_thread(self.receiver.wait, tid, self.transfer_timeout_s)
-        self.receiver.forget(tid)
+        tid, receiver = entry
+        pt = await asyncio.to_thread(receiver.wait, tid, self.transfer_timeout_s)
+        receiver.forget(tid)
         if pt.status != TransferStatus.DONE:
             self.transfer_failures += 1
             await self._run(lambda e: e.cancel_reserved(req.request_id))
@@ -181,8 +191,7 @@ class DecodeWorker:
 
     def shutdown(self) -> None:
         self.loop.stop()
-        if self.receiver is not None:
-            self.receiver.channel.close()
+        self.leave_transfer_group()
 
 
 def _remaining(params: SamplingParams, produced: int) -> SamplingParams:

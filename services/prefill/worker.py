@@ -65,6 +65,13 @@ class PrefillWorker:
         self.sender = make_sender(channel, self.engine, self._on_sent)
         return rank
 
+    def leave_transfer_group(self) -> None:
+        """Leave the group (before it is rebuilt around a replaced worker)."""
+        if self.sender is not None:
+            sender, self.sender = self.sender, None
+            sender.channel.close()
+            sender.close()
+
     def load(self) -> dict:
         return {**self.engine.load_snapshot(), "worker_id": self.worker_id, "role": "prefill",
                 "alive": self.loop.error is None}
@@ -135,9 +142,14 @@ class PrefillWorker:
 
     # -- transfer (engine loop thread / sender thread) ----------------------------
     def _on_layer_done(self, layer: int, completing: list[Sequence]) -> None:
+        sender = self.sender
         for seq in completing:
             d = self._descriptors.get(seq.seq_id)
             if d is None:
+                continue
+            if sender is None:  # left the group mid-request: fail the transfer, free the KV
+                self._sending.add(seq.seq_id)
+                self._on_sent(SendReport(d.transfer_id, False, "no transfer group", 0, 0.0))
                 continue
             n_blocks = len(d.block_ids)
             if len(seq.block_ids) < n_blocks:
@@ -148,7 +160,7 @@ class PrefillWorker:
                     final = g == len(d.layer_groups) - 1
                     if final:
                         self._sending.add(seq.seq_id)
-                    self.sender.submit(SendJob(
+                    sender.submit(SendJob(
                         transfer_id=d.transfer_id, dst_rank=d.dst_rank,
                         src_block_ids=seq.block_ids[:n_blocks], layers=group.layers,
                         layer_group=g, final=final, with_checksum=d.checksum))
@@ -172,6 +184,4 @@ class PrefillWorker:
 
     def shutdown(self) -> None:
         self.loop.stop()
-        if self.sender is not None:
-            self.sender.close()
-            self.sender.channel.close()
+        self.leave_transfer_group()

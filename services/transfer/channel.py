@@ -57,7 +57,13 @@ class CollectiveChannel:
         self._col.recv(buf, src_rank, self.group_name)
 
     def close(self) -> None:
+        """Leave the group; peers blocked on this rank see their calls fail."""
         try:
             self._col.destroy_collective_group(self.group_name)
         except Exception:  # the group may already be broken by a dead peer
             pass
+        if self.backend == "gloo":
+            import torch.distributed as dist
+
+            if dist.is_initialized():  # ray's gloo group sits on the default process group
+                dist.destroy_process_group()

@@ -59,15 +59,22 @@ class KVSender:
         self._progress: dict[str, tuple[float, int]] = {}  # transfer id -> (start, bytes)
         self._failed: set[str] = set()
         self.bytes_sent = 0
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
         self._thread.start()
 
     def submit(self, job: SendJob) -> None:
+        if self._closed:  # the group is gone: the transfer fails at once
+            if job.final:
+                self._on_done(SendReport(job.transfer_id, False, "sender closed", 0, 0.0))
+            return
         self._jobs.put(job)
 
     def close(self) -> None:
+        """Stop after the queued jobs (which fail fast once peers have left)."""
+        self._closed = True
         self._jobs.put(None)
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=10)
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from contextlib import aclosing
 
 import pytest
@@ -100,3 +101,25 @@ def test_callers_leaving_free_everything(cluster, prompts):
     full = asyncio.run(cluster.worker_stats())
     assert all(s["free_blocks"] == s["total_blocks"] and s["held"] == 0 for s in stats), [{k: v for k, v in s.items() if k != "request_ids"} for s in full]
     assert cluster.router.pending_summary()["requests"] == 0
+
+
+def test_dead_worker_is_replaced_and_serves_again(cluster, prompts, reference):
+    victim = cluster.decode[1]
+    old_actor = victim.actor
+    ray.kill(old_actor, no_restart=True)
+
+    async def on_progress(got):
+        pass
+
+    assert asyncio.run(_stream_all(cluster, prompts, on_progress)) == reference
+    deadline = time.monotonic() + 120
+    while cluster.replacements == 0 and time.monotonic() < deadline:
+        asyncio.run(_stream_all(cluster, prompts[:1], on_progress))  # keeps the refresher going
+        time.sleep(0.5)
+    assert cluster.replacements >= 1 and victim.actor is not old_actor
+    # Both decode workers take traffic again, and every output is still exact.
+    assert asyncio.run(_stream_all(cluster, prompts * 2, on_progress)) == reference * 2
+    stats = wait_all_free(cluster)
+    assert len(stats) == 4
+    assert all(s["free_blocks"] == s["total_blocks"] for s in stats)
+    assert {s["worker_id"] for s in stats if s.get("kv_bytes_received")} == {"decode-0", "decode-1"}

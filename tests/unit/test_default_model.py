@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from services.engine import default_model as dm
-from services.engine.tokenizer import Tokenizer
+from services.text.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -10,8 +10,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers, trainers
 
 from services.engine.default_model import corpus, write_model
-from services.engine.detokenizer import IncrementalDetokenizer
-from services.engine.tokenizer import Tokenizer
+from services.text.detokenizer import IncrementalDetokenizer
+from services.text.tokenizer import Tokenizer
 
 MULTIBYTE = "héllo wörld 日本語 🎉"
 

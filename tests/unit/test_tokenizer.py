@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from services.engine.default_model import write_model
-from services.engine.tokenizer import Tokenizer
+from services.text.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello world",
