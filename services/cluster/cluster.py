@@ -202,6 +202,16 @@ class Cluster:
             async for delta in gen:
                 yield delta
 
+    async def worker_metric_families(self) -> list:
+        """Every live worker's Prometheus metric families (labelled role/worker)."""
+        async def one(w) -> list:
+            try:
+                return await asyncio.wait_for(w.actor.metrics_families.remote(), 5.0)
+            except Exception:
+                return []
+        lists = await asyncio.gather(*(one(w) for w in self.prefill + self.decode))
+        return [f for fams in lists for f in fams]
+
     async def worker_stats(self) -> list[dict]:
         """Each live worker's load snapshot plus its transfer counters (dead ones say so)."""
         async def one(w) -> dict:

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Sequence
 import torch
 
 from services.common.config import EngineConfig, EngineRole
+from services.common.metrics import worker_metrics
 from services.common.sampling_params import SamplingParams
 from services.engine.engine import EngineOutput, LLMEngine
 from services.engine.engine_loop import EngineLoop
@@ -44,7 +45,8 @@ class DecodeWorker:
             torch.set_num_threads(config.num_threads)
         cfg = dataclasses.replace(config, scheduler=dataclasses.replace(
             config.scheduler, role=EngineRole(role)))
-        self.engine = LLMEngine(cfg, detokenize=False)
+        self.metrics, self._registry = worker_metrics(role, worker_id)
+        self.engine = LLMEngine(cfg, detokenize=False, metrics=self.metrics)
         self.loop = EngineLoop(self.engine)
         self.receiver = None
         self.rank: int | None = None
@@ -76,6 +78,11 @@ class DecodeWorker:
     def load(self) -> dict:
         return {**self.engine.load_snapshot(), "worker_id": self.worker_id, "role": self.role,
                 "alive": self.loop.error is None}
+
+    def metrics_families(self) -> list:
+        """This worker's Prometheus metric families (merged into the gateway's /metrics)."""
+        self.engine.update_gauges()
+        return list(self._registry.collect())
 
     def stats(self) -> dict:
         return {**self.load(), "kv_bytes_received": self.kv_bytes_received,
@@ -171,9 +178,12 @@ class DecodeWorker:
         receiver.forget(tid)
         if pt.status != TransferStatus.DONE:
             self.transfer_failures += 1
+            self.metrics.kv_transfer_failures.inc()
             await self._run(lambda e: e.cancel_reserved(req.request_id))
             raise TransferFailedError(f"{req.request_id}: KV transfer {pt.status.name}: {pt.error}")
         self.kv_bytes_received += pt.num_bytes
+        self.metrics.kv_transfer_bytes.inc(pt.num_bytes)
+        self.metrics.kv_transfer_time.observe(pt.seconds)
 
     @staticmethod
     def _delta(rid: str, outs: list[EngineOutput], index: int,

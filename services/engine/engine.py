@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.common.config import EngineConfig, EngineRole
+from services.common.metrics import WorkerMetrics
 from services.common.sampling_params import FinishReason, SamplingParams
 from services.text.detokenizer import IncrementalDetokenizer
 from services.engine.kv_cache.block_pool import BlockPool
@@ -51,10 +52,12 @@ class EngineOutput:
 class LLMEngine:
     """One model replica on one device, with its paged cache, scheduler and sampler."""
 
-    def __init__(self, config: EngineConfig, *, detokenize: bool = True) -> None:
+    def __init__(self, config: EngineConfig, *, detokenize: bool = True,
+                 metrics: WorkerMetrics | None = None) -> None:
         from services.engine.default_model import default_model_path
 
         self.config = config
+        self.metrics = metrics
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.model_path = str(config.model or default_model_path())
@@ -157,6 +160,8 @@ class LLMEngine:
         if on_layer_done is not None:
             completing = [it.seq for it in sched.scheduled if it.samples]
             hook = lambda i: on_layer_done(i, completing)  # noqa: E731
+        if self.metrics is not None:
+            self._observe_schedule(sched)
         results = self.runner.execute(sched.scheduled, hook)
         self.scheduler.on_step_done(sched)
         self.num_steps += 1
@@ -165,8 +170,30 @@ class LLMEngine:
                 outputs.append(self._append_token(item.seq, sampled))
         return outputs
 
+    def _observe_schedule(self, sched: SchedulerOutput) -> None:
+        m, now = self.metrics, time.monotonic()
+        for item in sched.scheduled:
+            seq = item.seq
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+                m.queue_time.observe(now - seq.arrival_time)
+        if sched.preempted:
+            m.preemptions.inc(len(sched.preempted))
+
+    def update_gauges(self) -> None:
+        """Refresh the load gauges (called before a metrics scrape)."""
+        if self.metrics is not None:
+            m, pool = self.metrics, self.block_pool
+            m.running.set(len(self.scheduler.running))
+            m.waiting.set(len(self.scheduler.waiting))
+            m.kv_usage.set(pool.usage)
+            m.free_blocks.set(pool.num_free)
+
     def _append_token(self, seq: Sequence, sampled: SampledToken) -> EngineOutput:
         token, p = sampled.token_id, seq.params
+        if not seq.output_token_ids and self.metrics is not None and not seq.imported \
+                and seq.first_scheduled_time is not None:
+            self.metrics.prefill_time.observe(time.monotonic() - seq.first_scheduled_time)
         seq.output_token_ids.append(token)
         lps = [sampled.logprob] if sampled.logprob is not None else []
         reason, text, hit_stop = None, "", False
@@ -251,6 +278,7 @@ class LLMEngine:
         ``first_token`` was sampled by the prefill worker; decoding resumes at token 2.
         """
         seq = self._reserved.pop(request_id)
+        seq.imported = True
         seq.num_computed_tokens = seq.num_prompt_tokens
         self.scheduler.kv.cache_full_blocks(seq)
         self._start_detok(seq)

@@ -39,6 +39,8 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
+    first_scheduled_time: float | None = None  # monotonic; queue time = this - arrival_time
+    imported: bool = False  # KV arrived from a prefill worker (decode role)
     generator: Any = None  # torch.Generator for seeded sampling (owned by the runner)
 
     @property

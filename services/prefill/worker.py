@@ -17,6 +17,7 @@ import os
 import torch
 
 from services.common.config import EngineConfig, EngineRole
+from services.common.metrics import worker_metrics
 from services.engine.engine import EngineOutput, LLMEngine
 from services.engine.engine_loop import EngineLoop
 from services.engine.sequence import Sequence
@@ -42,7 +43,8 @@ class PrefillWorker:
             torch.set_num_threads(config.num_threads)
         cfg = dataclasses.replace(config, scheduler=dataclasses.replace(
             config.scheduler, role=EngineRole.PREFILL))
-        self.engine = LLMEngine(cfg, detokenize=False)
+        self.metrics, self._registry = worker_metrics("prefill", worker_id)
+        self.engine = LLMEngine(cfg, detokenize=False, metrics=self.metrics)
         self.loop = EngineLoop(self.engine, on_layer_done=self._on_layer_done)
         self.sender = None
         self._descriptors: dict[str, KVTransferDescriptor] = {}
@@ -75,6 +77,11 @@ class PrefillWorker:
     def load(self) -> dict:
         return {**self.engine.load_snapshot(), "worker_id": self.worker_id, "role": "prefill",
                 "alive": self.loop.error is None}
+
+    def metrics_families(self) -> list:
+        """This worker's Prometheus metric families (merged into the gateway's /metrics)."""
+        self.engine.update_gauges()
+        return list(self._registry.collect())
 
     def stats(self) -> dict:
         return {**self.load(), "kv_bytes_sent": self.kv_bytes_sent,
@@ -171,8 +178,10 @@ class PrefillWorker:
             return
         if report.ok:
             self.kv_bytes_sent += report.num_bytes
+            self.metrics.kv_transfer_bytes.inc(report.num_bytes)
         else:
             self.transfer_failures += 1
+            self.metrics.kv_transfer_failures.inc()
             log.warning("transfer %s failed: %s", report.transfer_id, report.error)
 
         def release(e: LLMEngine) -> None:

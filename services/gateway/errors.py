@@ -1,0 +1,148 @@
+"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` with the right status."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Mapping
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from services.router.errors import ClusterFullError, NoWorkersError, PromptTooLargeError
+
+log = logging.getLogger(__name__)
+
+# error "type" per status (OpenAI's vocabulary where it has one)
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          500: "server_error", 503: "service_unavailable_error", 504: "timeout_error"}
+
+
+def dumps(obj: Any) -> bytes:
+    """Compact UTF-8 JSON (no NaN: callers clamp floats first)."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+
+
+def json_response(body: Any, status_code: int = 200, headers: Mapping[str, str] | None = None) -> Response:
+    """A JSON response rendered with :func:`dumps`."""
+    return Response(dumps(body), status_code=status_code, headers=dict(headers or {}),
+                    media_type="application/json")
+
+
+class APIError(Exception):
+    """An error the client should see, with its HTTP status and OpenAI fields."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None, headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status) or HTTPStatus(status).phrase.lower().replace(" ", "_")
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        """The OpenAI error object."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> Response:
+        """This error as a JSON response."""
+        return json_response(self.body(), self.status, self.headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    """400 invalid_request_error."""
+    return APIError(400, message, param=param, code=code)
+
+
+def retry_after(seconds: float) -> str:
+    """A ``Retry-After`` value: whole seconds, at least 1."""
+    if not isinstance(seconds, (int, float)) or not math.isfinite(seconds):
+        return "1"
+    return str(max(1, math.ceil(seconds)))
+
+
+def from_backend_error(exc: BaseException) -> APIError:
+    """Map what ``Backend.generate`` raises to the client's error."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, NoWorkersError):
+        return APIError(503, f"no workers available: {exc}", code="no_workers",
+                        headers={"Retry-After": retry_after(exc.retry_after_s)})
+    if isinstance(exc, ClusterFullError):
+        return APIError(429, f"the cluster is full, retry later: {exc}", code="cluster_full",
+                        headers={"Retry-After": retry_after(exc.retry_after_s)})
+    if isinstance(exc, PromptTooLargeError):
+        return bad_request(str(exc), param="prompt", code="context_length_exceeded")
+    if isinstance(exc, ValueError):
+        return bad_request(str(exc))
+    log.error("backend request failed", exc_info=exc)
+    return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error")
+
+
+def _param_of(loc: tuple[Any, ...]) -> str | None:
+    """The request field an error location points at (``("body", "temperature")`` -> ``temperature``)."""
+    parts = list(loc[1:] if loc and loc[0] == "body" else loc)
+    return parts[0] if parts and isinstance(parts[0], str) else None
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    """A FastAPI/pydantic request validation error as a 400."""
+    errors = list(exc.errors())
+    if not errors:
+        return bad_request("invalid request")
+    first = errors[0]
+    loc = tuple(first.get("loc", ()))
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error")
+        return bad_request("the request body is not valid JSON" + (f": {detail}" if detail else ""))
+    if loc in (("body",), ()) and first.get("type") == "missing":
+        return bad_request("the request body must be a JSON object")
+    param = _param_of(loc)
+    msgs = []
+    for e in errors[:3]:
+        where = ".".join(str(p) for p in e.get("loc", ())[1:]) or "body"
+        msgs.append(f"{where}: {e.get('msg', 'invalid value')}")
+    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+    return bad_request("invalid request: " + "; ".join(msgs) + more, param=param)
+
+
+def install_handlers(app: FastAPI) -> None:
+    """Make every error the app returns (validation, 404/405, unexpected) OpenAI-shaped."""
+
+    async def on_api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, APIError)
+        return exc.response()
+
+    async def on_validation(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        return validation_error(exc).response()
+
+    async def on_http(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        status = exc.status_code
+        if status == 404:
+            msg = f"unknown route: {request.method} {request.url.path}"
+            code = "not_found"
+        elif status == 405:
+            msg = f"method {request.method} is not allowed on {request.url.path}"
+            code = "method_not_allowed"
+        else:
+            msg, code = str(exc.detail), None
+        return APIError(status, msg, code=code, headers=exc.headers).response()
+
+    async def on_unexpected(request: Request, exc: Exception) -> Response:
+        log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error").response()
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(Exception, on_unexpected)
