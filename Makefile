@@ -19,7 +19,7 @@ $(BIN)/.installed: pyproject.toml
 install: $(BIN)/.installed
 
 serve: install
-	$(BIN)/tandem generate $(ARGS)
+	$(BIN)/tandem serve $(ARGS)
 
 test: install
 	$(BIN)/python -m pytest -q $(ARGS)

@@ -66,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.set_defaults(func=_generate)
 
+    from services.cluster import serve as serve_cmd
+
+    srv = sub.add_parser("serve", help="serve the OpenAI API on a disaggregated cluster")
+    serve_cmd.add_arguments(srv)
+    srv.set_defaults(func=serve_cmd.main)
+
     mk = sub.add_parser("make-model", help="write a seeded random checkpoint")
     mk.add_argument("--preset", default="small", choices=["tiny", "small", "bench"])
     mk.add_argument("--out", required=True)
@@ -74,10 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from services.bench import offline, transfer
+    from services.bench import offline, stream, transfer
 
     for name, module, text in (("offline", offline, "engine throughput vs HF transformers"),
-                               ("transfer", transfer, "KV transfer bandwidth and added TTFT")):
+                               ("transfer", transfer, "KV transfer bandwidth and added TTFT"),
+                               ("stream", stream, "per-token overhead and concurrent streams")):
         sp = bench_sub.add_parser(name, help=text)
         module.add_arguments(sp)
         sp.set_defaults(func=_bench)

@@ -103,8 +103,8 @@ def validation_error(exc: RequestValidationError) -> APIError:
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error")
         return bad_request("the request body is not valid JSON" + (f": {detail}" if detail else ""))
-    if loc in (("body",), ()) and first.get("type") == "missing":
-        return bad_request("the request body must be a JSON object")
+    if loc in (("body",), ()):
+        return bad_request("the request body must be a JSON object (Content-Type: application/json)")
     param = _param_of(loc)
     msgs = []
     for e in errors[:3]:

@@ -37,9 +37,10 @@ class FakeRequest:
 
 @dataclass
 class FakeBackend:
-    """See the module docstring. ``fail`` raises on the first step; ``hang_after`` stops
-    producing (but keeps the request open) after that many tokens; ``delay_s`` is the
-    time per delta; ``tokens_per_delta`` batches tokens like a busy decode worker."""
+    """See the module docstring. ``fail`` is raised after ``fail_after`` tokens (0: before
+    any); ``hang_after`` stops producing (but keeps the request open) after that many
+    tokens; ``delay_s`` is the time per delta; ``tokens_per_delta`` batches tokens like a
+    busy decode worker; ``script``, if given, replaces the formula's output."""
 
     model_id: str = "fake-model"
     max_model_len: int = 256
@@ -50,6 +51,8 @@ class FakeBackend:
     tokens_per_delta: int = 1
     hang_after: int | None = None
     fail: BaseException | None = None
+    fail_after: int = 0
+    script: Sequence[int] | None = None
     is_ready: bool = True
     requests: dict[str, FakeRequest] = field(default_factory=dict)
 
@@ -68,13 +71,18 @@ class FakeBackend:
     # ---------------------------------------------------------------- the model
     def tokens(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
         """The whole output the fake produces for this request (the finishing stop token included)."""
-        out: list[int] = []
-        prev = prompt_token_ids[-1]
-        shift = params.seed or 0
         limit = min(params.max_tokens or 1 << 62, self.max_model_len - len(prompt_token_ids))
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        out: list[int] = []
+        prev = prompt_token_ids[-1]
         while len(out) < limit:
-            prev = (prev * 7 + 3 + (shift if not out else 0)) % self.vocab_size
+            if self.script is not None:
+                if len(out) == len(self.script):
+                    break
+                prev = self.script[len(out)]
+            else:
+                shift = (params.seed or 0) if not out else 0
+                prev = (prev * 7 + 3 + shift) % self.vocab_size
             out.append(prev)
             if prev in stops and len(out) > params.min_tokens:
                 break
@@ -95,8 +103,6 @@ class FakeBackend:
 
     async def _stream(self, rec: FakeRequest) -> AsyncIterator[TokenDelta]:
         try:
-            if self.fail is not None:
-                raise self.fail
             p = rec.params
             tokens = self.tokens(rec.prompt_token_ids, p)
             reason = self.finish_reason(rec.prompt_token_ids, p, tokens)
@@ -104,6 +110,8 @@ class FakeBackend:
                 await asyncio.sleep(self.first_delay_s)
             step = max(1, self.tokens_per_delta)
             for start in range(0, len(tokens), step):
+                if self.fail is not None and start >= self.fail_after:
+                    raise self.fail
                 if self.hang_after is not None and start >= self.hang_after:
                     await asyncio.Event().wait()  # never set: only an abort ends this
                 if start and self.delay_s:

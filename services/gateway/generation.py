@@ -64,13 +64,22 @@ class ChoiceResult:
     """A whole choice (the non-streaming response)."""
 
     index: int
-    text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
+    _parts: list[str] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        """The choice's whole text."""
+        if len(self._parts) > 1:
+            self._parts[:] = ["".join(self._parts)]
+        return self._parts[0] if self._parts else ""
 
     def add(self, ev: ChoiceEvent) -> None:
-        self.text += ev.text
+        """Append one event of this choice."""
+        if ev.text:
+            self._parts.append(ev.text)
         self.token_ids += ev.token_ids
         if ev.logprobs is not None:
             self.logprobs = (self.logprobs or []) + list(ev.logprobs)

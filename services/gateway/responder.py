@@ -68,6 +68,7 @@ async def respond(gen: Generation, fmt: Formatter, *, stream: bool, include_usag
 
 
 async def _frames(gen: Generation, fmt: Formatter, include_usage: bool, prompt_tokens: int) -> AsyncIterator[bytes]:
+    error: APIError | None = None
     try:
         for c in fmt.opening():
             yield frame(c)
@@ -75,11 +76,13 @@ async def _frames(gen: Generation, fmt: Formatter, include_usage: bool, prompt_t
             c = fmt.chunk(ev)
             if c is not None:
                 yield frame(c)
-        await gen.close()
-        if include_usage:
-            yield frame(fmt.usage_chunk(usage(prompt_tokens, gen.completion_tokens)))
     except ClientDisconnected:
         return
     except APIError as e:
-        yield frame(e.body())
+        error = e
+    await gen.close()  # every backend request is closed before the client hears [DONE]
+    if error is not None:
+        yield frame(error.body())
+    elif include_usage:
+        yield frame(fmt.usage_chunk(usage(prompt_tokens, gen.completion_tokens)))
     yield DONE
