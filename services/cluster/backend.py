@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from services.cluster.cluster import Cluster
+from services.common.metrics import cluster_families
 from services.common.sampling_params import SamplingParams
 from services.protocol.request_path import TokenDelta
 
@@ -29,5 +30,11 @@ class ClusterBackend:
         pools = [c.decode] + ([c.prefill] if c.prefill else [])
         return all(any(w.load().alive for w in pool) for pool in pools)
 
-    async def worker_metric_families(self) -> list:
-        return await self.cluster.worker_metric_families()
+    async def metric_families(self) -> list:
+        """The workers' families plus the cluster's own counts (served by the gateway)."""
+        c = self.cluster
+        ready: dict[str, int] = {}
+        for w in c.prefill + c.decode:
+            ready[w.role] = ready.get(w.role, 0) + int(w.load().alive)
+        own = cluster_families(c.router.decisions, c.driver.num_redrives, c.replacements, ready)
+        return own + await c.worker_metric_families()

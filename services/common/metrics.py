@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 PREFIX = "tandem_"
 # Latency buckets spanning GPU (sub-millisecond steps) and CPU (seconds-long prefills).
@@ -31,10 +32,6 @@ class GatewayMetrics:
     tpot: Histogram
     e2e: Histogram
     running: Gauge
-    prefill_decisions: Counter
-    redrives: Counter
-    replacements: Counter
-    workers_ready: Gauge
 
 
 def gateway_metrics(registry: CollectorRegistry | None = None) -> GatewayMetrics:
@@ -57,16 +54,7 @@ def gateway_metrics(registry: CollectorRegistry | None = None) -> GatewayMetrics
         e2e=Histogram(f"{PREFIX}e2e_request_latency_seconds", "Request arrival to last token",
                       buckets=LATENCY_BUCKETS, registry=r),
         running=Gauge(f"{PREFIX}gateway_requests_in_flight", "Requests the gateway is serving",
-                      registry=r),
-        prefill_decisions=Counter(f"{PREFIX}prefill_decisions",
-                                  "Where each request's prompt was prefilled (router decisions)",
-                                  ("decision",), registry=r),
-        redrives=Counter(f"{PREFIX}request_migrations",
-                         "Requests re-driven on another worker after a failure", registry=r),
-        replacements=Counter(f"{PREFIX}worker_replacements", "Dead workers replaced", registry=r),
-        workers_ready=Gauge(f"{PREFIX}workers_ready", "Workers answering, by pool role",
-                            ("role",), registry=r),
-    )
+                      registry=r),    )
 
 
 @dataclass
@@ -121,18 +109,39 @@ def worker_metrics(role: str, worker: str,
     return m, r
 
 
+def cluster_families(decisions: dict[str, int], redrives: int, replacements: int,
+                     ready: dict[str, int]) -> list[Metric]:
+    """Counts the cluster keeps (router decisions, re-drives, replacements, live workers)."""
+    dec = CounterMetricFamily(f"{PREFIX}prefill_decisions",
+                              "Where each request's prompt was prefilled (router decisions)",
+                              labels=("decision",))
+    for decision, count in sorted(decisions.items()):
+        dec.add_metric((decision,), count)
+    mig = CounterMetricFamily(f"{PREFIX}request_migrations",
+                              "Requests re-driven on another worker after a failure")
+    mig.add_metric((), redrives)
+    rep = CounterMetricFamily(f"{PREFIX}worker_replacements", "Dead workers replaced")
+    rep.add_metric((), replacements)
+    live = GaugeMetricFamily(f"{PREFIX}workers_ready", "Workers answering, by pool role",
+                             labels=("role",))
+    for role, count in sorted(ready.items()):
+        live.add_metric((role,), count)
+    return [dec, mig, rep, live]
+
+
 def exported_names() -> set[str]:
     """Every sample name the code can export (dashboards and rules are checked against it)."""
     names: set[str] = set()
     registries = [CollectorRegistry(), worker_metrics("prefill", "w")[1]]
     gateway_metrics(registries[0])
-    for reg in registries:
-        for family in reg.collect():
-            base = family.name
-            if family.type == "counter":
-                names |= {f"{base}_total", f"{base}_created"}
-            elif family.type == "histogram":
-                names |= {f"{base}_bucket", f"{base}_count", f"{base}_sum", f"{base}_created"}
-            else:
-                names.add(base)
+    families = [f for reg in registries for f in reg.collect()]
+    families += cluster_families({"remote": 0}, 0, 0, {"decode": 0})
+    for family in families:
+        base = family.name
+        if family.type == "counter":
+            names |= {f"{base}_total", f"{base}_created"}
+        elif family.type == "histogram":
+            names |= {f"{base}_bucket", f"{base}_count", f"{base}_sum", f"{base}_created"}
+        else:
+            names.add(base)
     return names

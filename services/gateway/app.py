@@ -8,13 +8,14 @@ from collections.abc import Sequence
 from functools import partial
 
 from fastapi import FastAPI, Request
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 
 from services.gateway.backend import Backend
 from services.gateway.chat import create_chat_completion
 from services.gateway.completions import create_completion
 from services.gateway.errors import install_handlers, json_response
+from services.gateway.metrics import default_registries, render
 from services.gateway.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from services.gateway.openapi import (READ_RESPONSES, ChatCompletionResponse, CompletionResponse, ModelCard,
                                       ModelList, Status, build_openapi, generate_responses)
@@ -94,7 +95,15 @@ def create_app(backend: Backend, tokenizer: Tokenizer, *, api_keys: Sequence[str
     @app.get("/metrics", summary="Prometheus metrics", response_class=Response,
              responses={200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}})
     async def metrics() -> Response:
-        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+        extra = []
+        families = getattr(backend, "metric_families", None)  # the cluster's and its workers'
+        if families is not None:
+            try:
+                extra = await asyncio.wait_for(families(), ready_timeout_s)
+            except Exception as e:  # noqa: BLE001 - serve the gateway's own families anyway
+                log.warning("cluster metrics unavailable: %r", e)
+        return Response(render(default_registries(state.metrics_registry), extra),
+                        media_type=CONTENT_TYPE_LATEST)
 
     app.openapi = partial(build_openapi, app, backend.model_id)  # type: ignore[method-assign]
     return app

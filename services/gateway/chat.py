@@ -89,5 +89,6 @@ async def create_chat_completion(state: GatewayState, req: ChatCompletionRequest
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
     base = {"id": rid, "object": "chat.completion", "created": state.created_now(), "model": backend.model_id}
     fmt = ChatFormat(base, state.strings, num_logprobs, n, include_usage)
-    gen = Generation(backend, state.tokenizer, rid, jobs, timeout_s=state.request_timeout_s, receive=request.receive)
+    gen = Generation(backend, state.tokenizer, rid, jobs, timeout_s=state.request_timeout_s, receive=request.receive,
+                     metrics=state.metrics)
     return await respond(gen, fmt, stream=bool(req.stream), include_usage=include_usage, prompt_tokens=len(ids))

@@ -80,6 +80,7 @@ async def create_completion(state: GatewayState, req: CompletionRequest, request
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
     base = {"id": rid, "object": "text_completion", "created": state.created_now(), "model": backend.model_id}
     fmt = CompletionFormat(base, state.strings, req.logprobs, len(jobs), include_usage)
-    gen = Generation(backend, state.tokenizer, rid, jobs, timeout_s=state.request_timeout_s, receive=request.receive)
+    gen = Generation(backend, state.tokenizer, rid, jobs, timeout_s=state.request_timeout_s, receive=request.receive,
+                     metrics=state.metrics)
     return await respond(gen, fmt, stream=bool(req.stream), include_usage=include_usage,
                          prompt_tokens=sum(len(ids) for ids in prompts))

@@ -117,13 +117,19 @@ def validation_error(exc: RequestValidationError) -> APIError:
 def install_handlers(app: FastAPI) -> None:
     """Make every error the app returns (validation, 404/405, unexpected) OpenAI-shaped."""
 
+    def counted(request: Request, err: APIError) -> Response:
+        state = getattr(request.app.state, "gateway", None)
+        if state is not None and request.url.path.startswith("/v1/"):
+            state.metrics.requests.labels(finish_reason="error", status=str(err.status)).inc()
+        return err.response()
+
     async def on_api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, APIError)
-        return exc.response()
+        return counted(request, exc)
 
     async def on_validation(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
-        return validation_error(exc).response()
+        return counted(request, validation_error(exc))
 
     async def on_http(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
@@ -136,11 +142,11 @@ def install_handlers(app: FastAPI) -> None:
             code = "method_not_allowed"
         else:
             msg, code = str(exc.detail), None
-        return APIError(status, msg, code=code, headers=exc.headers).response()
+        return counted(request, APIError(status, msg, code=code, headers=exc.headers))
 
     async def on_unexpected(request: Request, exc: Exception) -> Response:
         log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-        return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error").response()
+        return counted(request, APIError(500, f"internal error: {type(exc).__name__}", code="internal_error"))
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation)

@@ -14,15 +14,18 @@ import asyncio
 import collections
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 
+from services.common.metrics import GatewayMetrics
 from services.common.sampling_params import FinishReason, SamplingParams
 from services.gateway.backend import Backend
 from services.gateway.errors import APIError, from_backend_error
+from services.gateway.metrics import CLIENT_CLOSED, ChoiceClock
 from services.protocol.request_path import TokenDelta, TokenLogprob
 from services.text.detokenizer import IncrementalDetokenizer
 from services.text.tokenizer import Tokenizer
@@ -99,7 +102,8 @@ class Generation:
 
     def __init__(self, backend: Backend, tokenizer: Tokenizer, request_id: str, jobs: Sequence[ChoiceJob], *,
                  timeout_s: float | None = None,
-                 receive: Callable[[], Awaitable[dict[str, Any]]] | None = None) -> None:
+                 receive: Callable[[], Awaitable[dict[str, Any]]] | None = None,
+                 metrics: GatewayMetrics | None = None) -> None:
         self._backend = backend
         self._tok = tokenizer
         self.request_id = request_id
@@ -114,11 +118,17 @@ class Generation:
         self._timer: asyncio.TimerHandle | None = None
         self._closed = False
         self.completion_tokens = 0
+        self._metrics = self.metrics = metrics
+        self._arrival = time.monotonic()
+        self._in_flight = False
 
     # ------------------------------------------------------------------ consumer
     async def start(self) -> None:
         """Launch the choices; return once each has started (or raise its error)."""
         loop = asyncio.get_running_loop()
+        if self._metrics is not None:
+            self._metrics.running.inc()
+            self._in_flight = True
         if self._timeout_s is not None:
             self._timer = loop.call_later(self._timeout_s, self._queue.put_nowait, _TIMEOUT)
         if self._receive is not None:
@@ -149,6 +159,9 @@ class Generation:
         if self._closed:
             return
         self._closed = True
+        if self._in_flight:
+            self._metrics.running.dec()
+            self._in_flight = False
         if self._timer is not None:
             self._timer.cancel()
         pending = [t for t in (*self._tasks, self._watcher) if t is not None and not t.done()]
@@ -181,17 +194,20 @@ class Generation:
 
     # ------------------------------------------------------------------ choices
     async def _run(self, job: ChoiceJob) -> None:
+        clock = ChoiceClock(self._metrics, self._arrival)
         try:
-            final = await self._drive(job)
+            final = await self._drive(job, clock)
         except asyncio.CancelledError:
+            clock.finished(FinishReason.ABORT.value, CLIENT_CLOSED)
             raise
         except Exception as e:  # noqa: BLE001 - every failure goes to the client as an error
-            self._queue.put_nowait(from_backend_error(e))
+            self._queue.put_nowait(from_backend_error(e))  # counted where it becomes a response
             return
+        clock.finished(final.finish_reason, 200, len(job.prompt_token_ids))
         self.completion_tokens += len(final.token_ids)
         self._queue.put_nowait(final)
 
-    async def _drive(self, job: ChoiceJob) -> ChoiceEvent:
+    async def _drive(self, job: ChoiceJob, clock: ChoiceClock) -> ChoiceEvent:
         p = job.params
         detok = IncrementalDetokenizer(self._tok, stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output,
                                        skip_special_tokens=p.skip_special_tokens)
@@ -206,6 +222,7 @@ class Generation:
                 if delta is None:
                     continue
                 received = delta.next_index
+                clock.tokens_out(len(delta.token_ids))
                 ev = self._consume(job.index, delta, detok, stop_ids)
                 if ev.finish_reason is not None:
                     final = ev

@@ -9,9 +9,9 @@ from starlette.responses import Response
 
 from services.gateway.errors import APIError, json_response
 from services.gateway.generation import ChoiceEvent, ChoiceResult, ClientDisconnected, Generation
+from services.gateway.metrics import CLIENT_CLOSED, count_error
 from services.gateway.sse import DONE, EventStream, frame
 
-CLIENT_CLOSED = 499  # nginx's "client closed request": never reaches anyone, shows in access logs
 
 
 class Formatter(Protocol):
@@ -80,6 +80,7 @@ async def _frames(gen: Generation, fmt: Formatter, include_usage: bool, prompt_t
         return
     except APIError as e:
         error = e
+        count_error(gen.metrics, e.status)
     await gen.close()  # every backend request is closed before the client hears [DONE]
     if error is not None:
         yield frame(error.body())

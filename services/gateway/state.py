@@ -5,6 +5,10 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry
+
+from services.common.metrics import GatewayMetrics, gateway_metrics
 from typing import Any
 
 from services.gateway.backend import Backend
@@ -23,11 +27,14 @@ class GatewayState:
     max_n: int
     max_prompts: int
     ready_timeout_s: float
+    metrics_registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    metrics: GatewayMetrics = field(init=False)
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False  # set on SIGINT/SIGTERM: /ready answers 503 while requests drain
     strings: TokenStrings = field(init=False)
 
     def __post_init__(self) -> None:
+        self.metrics = gateway_metrics(self.metrics_registry)
         self.strings = TokenStrings(self.tokenizer)
 
     def check_model(self, model: str) -> None:

@@ -19,7 +19,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 
-from services.common.metrics import gateway_metrics, worker_metrics
+from services.common.metrics import cluster_families, gateway_metrics, worker_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 PROM = ROOT / "deploy" / "prometheus"
@@ -76,15 +76,24 @@ def test_check_local_config():
     assert "SUCCESS: 1 rule files found" in proc.stdout, proc.stdout
 
 
+class _Static:
+    def __init__(self, families):
+        self.families = families
+
+    def collect(self):
+        return self.families
+
+
 def test_check_metrics_lint():
     """Every family the code defines passes promtool's metric naming lint."""
     gateway = CollectorRegistry()
     m = gateway_metrics(gateway)
     m.requests.labels(finish_reason="stop", status="200").inc()
-    m.prefill_decisions.labels(decision="remote").inc()
-    m.workers_ready.labels(role="decode").set(1)
     _, worker = worker_metrics("decode", "d0")
-    text = generate_latest(gateway).decode() + generate_latest(worker).decode()
+    cluster = CollectorRegistry()
+    cluster.register(_Static(cluster_families({"remote": 3, "local_short_prompt": 1}, 1, 0,
+                                              {"prefill": 1, "decode": 1})))
+    text = "".join(generate_latest(r).decode() for r in (gateway, worker, cluster))
     proc = promtool("check", "metrics", stdin=text)
     assert proc.returncode == 0 and not proc.stdout.strip() and not proc.stderr.strip(), \
         proc.stdout + proc.stderr
