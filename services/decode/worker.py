@@ -11,21 +11,17 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 from collections.abc import AsyncIterator, Sequence
 
-import torch
-
-from services.common.config import EngineConfig, EngineRole
-from services.common.metrics import worker_metrics
+from services.common.config import EngineConfig
 from services.common.sampling_params import SamplingParams
-from services.engine.engine import EngineOutput, LLMEngine
-from services.engine.engine_loop import EngineLoop
-from services.protocol.messages import (CompatibilityDescriptor, KVTransferDescriptor,
+from services.engine.engine import EngineOutput
+from services.protocol.messages import (KVTransferDescriptor,
                                         TransferStatus, layer_groups)
 from services.protocol.request_path import DecodeRequest, TokenDelta, TokenLogprob
-from services.transfer.endpoint import compatibility, make_receiver, open_channel
+from services.transfer.endpoint import make_receiver, open_channel
 from services.transfer.receiver import KVReceiver
+from services.transfer.worker_base import EngineWorker
 
 log = logging.getLogger(__name__)
 
@@ -34,33 +30,17 @@ class TransferFailedError(RuntimeError):
     """The KV of a request did not arrive (dead prefill worker, timeout, checksum)."""
 
 
-class DecodeWorker:
+class DecodeWorker(EngineWorker):
     """Wrap with ``ray.remote`` (async actor); one engine, one receiver."""
 
     def __init__(self, worker_id: str, config: EngineConfig, transfer_timeout_s: float = 30.0,
                  role: str = "decode") -> None:
-        self.worker_id, self.role = worker_id, role
-        if config.num_threads is not None:
-            os.environ["OMP_NUM_THREADS"] = str(config.num_threads)
-            torch.set_num_threads(config.num_threads)
-        cfg = dataclasses.replace(config, scheduler=dataclasses.replace(
-            config.scheduler, role=EngineRole(role)))
-        self.metrics, self._registry = worker_metrics(role, worker_id)
-        self.engine = LLMEngine(cfg, detokenize=False, metrics=self.metrics)
-        self.loop = EngineLoop(self.engine)
+        super().__init__(worker_id, config, role)
         self.receiver = None
         self.rank: int | None = None
         self.transfer_timeout_s = transfer_timeout_s
         self._transfers: dict[str, tuple[str, KVReceiver]] = {}  # request -> (transfer, receiver)
         self.kv_bytes_received = 0
-        self.transfer_failures = 0
-
-    # -- setup ------------------------------------------------------------------
-    def ready(self) -> str:
-        return self.worker_id
-
-    def compatibility(self) -> CompatibilityDescriptor:
-        return compatibility(self.engine)
 
     def join_transfer_group(self, backend: str, world_size: int, rank: int, group_name: str,
                             prefill_ranks: Sequence[int], timeout_ms: int = 30_000) -> int:
@@ -75,19 +55,8 @@ class DecodeWorker:
             receiver, self.receiver = self.receiver, None
             receiver.channel.close()
 
-    def load(self) -> dict:
-        return {**self.engine.load_snapshot(), "worker_id": self.worker_id, "role": self.role,
-                "alive": self.loop.error is None}
-
-    def metrics_families(self) -> list:
-        """This worker's Prometheus metric families (merged into the gateway's /metrics)."""
-        self.engine.update_gauges()
-        return list(self._registry.collect())
-
-    def stats(self) -> dict:
-        return {**self.load(), "kv_bytes_received": self.kv_bytes_received,
-                "transfer_failures": self.transfer_failures,
-                "num_preemptions": self.engine.scheduler.num_preemptions}
+    def counters(self) -> dict:
+        return {"kv_bytes_received": self.kv_bytes_received}
 
     # -- remote prefill: reserve, receive, decode -------------------------------
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int],

@@ -10,21 +10,16 @@ last group has been sent or the send failed.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-import os
 
-import torch
-
-from services.common.config import EngineConfig, EngineRole
-from services.common.metrics import worker_metrics
+from services.common.config import EngineConfig
 from services.engine.engine import EngineOutput, LLMEngine
-from services.engine.engine_loop import EngineLoop
 from services.engine.sequence import Sequence
-from services.protocol.messages import CompatibilityDescriptor, KVTransferDescriptor
+from services.protocol.messages import KVTransferDescriptor
 from services.protocol.request_path import PrefillRequest, PrefillResult, TokenLogprob
-from services.transfer.endpoint import compatibility, make_sender, open_channel
+from services.transfer.endpoint import make_sender, open_channel
 from services.transfer.sender import SendJob, SendReport
+from services.transfer.worker_base import EngineWorker
 
 log = logging.getLogger(__name__)
 
@@ -33,32 +28,16 @@ class RequestAbortedError(RuntimeError):
     """The request was aborted before its first token."""
 
 
-class PrefillWorker:
+class PrefillWorker(EngineWorker):
     """Wrap with ``ray.remote`` (async actor); one engine, one sender."""
 
     def __init__(self, worker_id: str, config: EngineConfig) -> None:
-        self.worker_id = worker_id
-        if config.num_threads is not None:
-            os.environ["OMP_NUM_THREADS"] = str(config.num_threads)
-            torch.set_num_threads(config.num_threads)
-        cfg = dataclasses.replace(config, scheduler=dataclasses.replace(
-            config.scheduler, role=EngineRole.PREFILL))
-        self.metrics, self._registry = worker_metrics("prefill", worker_id)
-        self.engine = LLMEngine(cfg, detokenize=False, metrics=self.metrics)
-        self.loop = EngineLoop(self.engine, on_layer_done=self._on_layer_done)
+        super().__init__(worker_id, config, "prefill", on_layer_done=self._on_layer_done)
         self.sender = None
         self._descriptors: dict[str, KVTransferDescriptor] = {}
         self._by_transfer: dict[str, str] = {}  # transfer id -> request id
         self._sending: set[str] = set()  # requests whose final step ran: sends queued
         self.kv_bytes_sent = 0
-        self.transfer_failures = 0
-
-    # -- setup ------------------------------------------------------------------
-    def ready(self) -> str:
-        return self.worker_id
-
-    def compatibility(self) -> CompatibilityDescriptor:
-        return compatibility(self.engine)
 
     def join_transfer_group(self, backend: str, world_size: int, rank: int, group_name: str,
                             timeout_ms: int = 30_000) -> int:
@@ -74,19 +53,8 @@ class PrefillWorker:
             sender.channel.close()
             sender.close()
 
-    def load(self) -> dict:
-        return {**self.engine.load_snapshot(), "worker_id": self.worker_id, "role": "prefill",
-                "alive": self.loop.error is None}
-
-    def metrics_families(self) -> list:
-        """This worker's Prometheus metric families (merged into the gateway's /metrics)."""
-        self.engine.update_gauges()
-        return list(self._registry.collect())
-
-    def stats(self) -> dict:
-        return {**self.load(), "kv_bytes_sent": self.kv_bytes_sent,
-                "transfer_failures": self.transfer_failures,
-                "num_preemptions": self.engine.scheduler.num_preemptions}
+    def counters(self) -> dict:
+        return {"kv_bytes_sent": self.kv_bytes_sent}
 
     # -- requests ---------------------------------------------------------------
     async def prefill(self, req: PrefillRequest, timeout_s: float = 120.0) -> PrefillResult:
