@@ -12,20 +12,22 @@ Imports only ``services.common``, the standard library and ``google.protobuf``.
 from __future__ import annotations
 
 from services.protocol.messages import (
-    HEADER_BYTES,
-    MAX_HEADER_PAYLOAD,
     CompatibilityDescriptor,
     IncompatibleKVError,
     KVTransferDescriptor,
-    LayerGroupHeader,
     LayerRange,
     ProtocolError,
-    TransferResult,
     TransferStatus,
-    decode_header,
-    encode_header,
     layer_groups,
     payload_checksum,
+)
+from services.protocol.payload import (
+    HEADER_BYTES,
+    MAX_HEADER_PAYLOAD,
+    LayerGroupHeader,
+    TransferResult,
+    decode_header,
+    encode_header,
 )
 from services.protocol.request_path import (
     DecodeRequest,

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.protocol.messages import HEADER_BYTES, TransferStatus, decode_header
+from services.protocol.messages import TransferStatus
+from services.protocol.payload import HEADER_BYTES, decode_header
 from services.transfer.channel import KVChannel
 from services.transfer.staging import StagingBuffer, checksum
 

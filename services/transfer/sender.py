@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.protocol.messages import HEADER_BYTES, LayerGroupHeader, encode_header
+from services.protocol.payload import HEADER_BYTES, LayerGroupHeader, encode_header
 from services.transfer.channel import KVChannel
 from services.transfer.staging import StagingBuffer, checksum
 
