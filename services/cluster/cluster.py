@@ -57,8 +57,9 @@ class Cluster:
         if not ray.is_initialized():
             self._progress("starting Ray" if cfg.ray_address is None
                            else f"joining Ray at {cfg.ray_address}")
+            local = {} if cfg.ray_address else {"_node_ip_address": "127.0.0.1"}  # Ray stays internal
             ray.init(address=cfg.ray_address, include_dashboard=False,
-                     log_to_driver=False, configure_logging=False)
+                     log_to_driver=False, configure_logging=False, **local)
             self._owns_ray = True
         model = cfg.engine.model or str(default_model_path())
         engine = dataclasses.replace(cfg.engine, model=model, num_threads=cfg.threads_per_worker)
