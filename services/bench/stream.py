@@ -12,11 +12,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import statistics
-import subprocess
-import sys
 import time
+
+from services.bench.client import completion_body, first_model, stream_completion
+from services.bench.metrics_math import percentile
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,36 +28,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None)
 
 
-def percentile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    if not xs:
-        return float("nan")
-    k = (len(xs) - 1) * q / 100
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
 async def _stream(client, url: str, model: str, prompt: list[int],
                   max_tokens: int) -> tuple[list[float], int]:
     """Arrival times of the text events, and the completion tokens the usage reports."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    stamps: list[float] = []
-    tokens = 0
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(event["error"]["message"])
-            if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
-            if event["choices"] and event["choices"][0].get("text") is not None:
-                stamps.append(time.perf_counter())
-    return stamps, tokens
+    res = await stream_completion(client, url, completion_body(model, prompt, max_tokens))
+    if res.error is not None:
+        raise RuntimeError(f"{res.error}: {res.detail}")
+    return res.token_times, res.completion_tokens or 0
 
 
 def _engine_step_ms(model: str, threads: int, tokens: int) -> list[float]:
@@ -100,30 +76,24 @@ async def _measure(url: str, model: str, args) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
-    from services.engine.default_model import default_model_path, write_model  # noqa: F401
+    from services.engine.default_model import default_model_path
 
     model = args.model or str(default_model_path("tiny"))
     server = None
     url = args.url
     if url is None:
-        from services.gateway.server import find_free_port
+        from services.bench.launcher import TandemServer
 
-        port = find_free_port()
-        url = f"http://127.0.0.1:{port}"
-        server = subprocess.Popen(
-            [sys.executable, "-m", "services.cluster.cli", "serve", "--model", model,
-             "--port", str(port), "--served-model-name", "bench", "--max-num-seqs", "1024",
-             "--max-queued-requests", str(4 * args.streams),
-             "--threads-per-worker", str(args.threads)],
-            env={**os.environ, "PYTHONUNBUFFERED": "1"}, stderr=subprocess.DEVNULL)
-        _wait_ready(url, server)
+        server = TandemServer(model, threads_per_worker=args.threads, served_model_name="bench",
+                              extra_args=["--max-num-seqs", "1024",
+                                          "--max-queued-requests", str(4 * args.streams)]).start()
+        url = server.url
     try:
-        served = "bench" if server is not None else _first_model(url)
+        served = "bench" if server is not None else first_model(url)
         result = asyncio.run(_measure(url, served, args))
     finally:
         if server is not None:
-            server.terminate()
-            server.wait(timeout=60)
+            server.stop()
     steps = _engine_step_ms(model, args.threads, args.tokens)
     itl = result.pop("itl_ms")
     step50 = percentile(steps, 50)
@@ -145,25 +115,3 @@ def main(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     return 0 if result["stream_errors"] == 0 else 1
-
-
-def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 180.0) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"tandem serve exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{url} not ready after {timeout_s:.0f}s")
-
-
-def _first_model(url: str) -> str:
-    import httpx
-
-    return httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]

@@ -1,0 +1,71 @@
+"""What makes a benchmark run self-describing: machine, versions, date, command line."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+PACKAGES = ("tandem", "torch", "ray", "httpx", "numpy", "matplotlib")
+
+
+def _version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _git_commit() -> str | None:
+    root = Path(__file__).resolve().parents[2]
+    try:
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() or None
+
+
+def _cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def machine() -> dict:
+    """Platform, CPU model and count (the cores this process may use), memory, load."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = None
+    try:
+        mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        mem_gb = None
+    try:
+        load = list(os.getloadavg())
+    except OSError:
+        load = None
+    return {"platform": platform.platform(), "machine": platform.machine(), "cpu": _cpu_model(),
+            "cpu_count": os.cpu_count(), "cpus_usable": usable,
+            "memory_gb": round(mem_gb, 1) if mem_gb else None, "load_avg_at_start": load,
+            "hostname": platform.node()}
+
+
+def describe() -> dict:
+    """Date (UTC), command line, Python and package versions, git commit, machine."""
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+            "python": platform.python_version(),
+            "versions": {name: _version(name) for name in PACKAGES},
+            "git_commit": _git_commit(), "machine": machine()}

@@ -1,0 +1,125 @@
+"""``tandem bench serve`` and ``tandem bench compare`` for real: the CLI against real
+``tandem serve`` subprocesses on the tiny model (a few seconds of load); the results JSON
+follows its schema and the plots are PNG files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import jsonschema
+import pytest
+
+from services.bench.launcher import TandemServer
+
+ROOT = Path(__file__).resolve().parents[2]
+PNG = b"\x89PNG\r\n\x1a\n"
+
+NUM = {"type": "number"}
+NUM_OR_NULL = {"type": ["number", "null"]}
+STATS = {"type": "object", "required": ["p50", "p90", "p99", "mean", "count"],
+         "properties": {k: NUM_OR_NULL for k in ("p50", "p90", "p99", "mean")}}
+RECORD = {
+    "type": "object",
+    "required": ["index", "kind", "scheduled_s", "sent_s", "prompt_tokens", "output_tokens", "expected_output_tokens",
+                 "chunks", "ok", "status", "error", "ttft_s", "tpot_s", "e2e_s", "itl_s"],
+    "properties": {"index": {"type": "integer"}, "ok": {"type": "boolean"}, "error": {"type": ["string", "null"]},
+                   "ttft_s": NUM_OR_NULL, "tpot_s": NUM_OR_NULL, "e2e_s": NUM_OR_NULL,
+                   "itl_s": {"type": "array", "items": NUM}, "output_tokens": {"type": "integer"}},
+}
+SUMMARY = {
+    "type": "object",
+    "required": ["requests", "completed", "failed", "errors", "duration_s", "ttft_ms", "tpot_ms", "itl_ms",
+                 "e2e_ms", "throughput", "attainment", "by_kind"],
+    "properties": {"ttft_ms": STATS, "tpot_ms": STATS, "itl_ms": STATS, "e2e_ms": STATS,
+                   "errors": {"type": "object", "additionalProperties": {"type": "integer"}},
+                   "throughput": {"type": "object", "required": ["requests_per_s", "output_tokens_per_s",
+                                                                 "good_requests_per_s"]},
+                   "attainment": {"type": "object", "required": ["both", "ttft", "tpot"]}},
+}
+RESULTS = {
+    "type": "object",
+    "required": ["schema", "label", "meta", "config", "slo", "runs", "goodput", "plots"],
+    "properties": {
+        "schema": {"const": "tandem.bench.serve/v1"},
+        "meta": {"type": "object", "required": ["date", "command", "versions", "machine", "server"],
+                 "properties": {"machine": {"type": "object", "required": ["platform", "cpu_count"]},
+                                "server": {"type": "object", "required": ["url", "model"]}}},
+        "slo": {"type": "object", "required": ["ttft_ms", "tpot_ms", "attainment"]},
+        "runs": {"type": "array", "minItems": 1, "items": {
+            "type": "object", "required": ["rate", "arrival", "summary", "requests"],
+            "properties": {"rate": NUM_OR_NULL, "summary": SUMMARY, "requests": {"type": "array", "items": RECORD}}}},
+        "goodput": {"type": "object", "required": ["rps", "interpolated_rps", "bounded", "target", "points"]},
+        "plots": {"type": "object", "required": ["latency_cdf", "attainment", "goodput"]},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    with TandemServer(str(tiny_model_dir), served_model_name="tiny", startup_timeout_s=180) as srv:
+        yield srv
+
+
+def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.cluster.cli", "bench", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _assert_png(path: str | Path) -> None:
+    data = Path(path).read_bytes()
+    assert data[:8] == PNG and len(data) > 1000, path
+
+
+def test_bench_serve_writes_every_record_a_summary_and_plots(server, tiny_model_dir, tmp_path):
+    out = tmp_path / "serve"
+    proc = _cli("serve", "--url", server.url, "--tokenizer", str(tiny_model_dir), "--input-len", "uniform:8-32",
+                "--output-len", "8", "--num-prompts", "8", "--rates", "8,inf", "--slo-ttft-ms", "3000",
+                "--slo-tpot-ms", "500", "--cooldown", "0.2", "--request-timeout", "60", "--max-duration", "90",
+                "--meta", "note=ci", "--out-dir", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "goodput" in proc.stdout and "sent 8/8" in proc.stderr  # the summary and the progress line
+    data = json.loads((out / "results.json").read_text())
+    jsonschema.validate(data, RESULTS)
+    assert [run["rate"] for run in data["runs"]] == [8.0, None]  # None: all at once (JSON has no inf)
+    first = data["runs"][0]
+    assert first["summary"]["requests"] == 8 and len(first["requests"]) == 8
+    assert first["summary"]["completed"] == 8, first["summary"]["errors"]
+    for rec in first["requests"]:
+        assert rec["prompt_tokens"] == rec["expected_prompt_tokens"]  # token ids in, exact lengths
+        assert rec["output_tokens"] == 8 and rec["ttft_s"] > 0 and rec["e2e_s"] >= rec["ttft_s"]
+    assert data["meta"]["server"]["pools"] == {"prefill": 1, "decode": 1}  # read from the server
+    assert data["meta"]["server"]["note"] == "ci"
+    assert data["config"]["tokenizer"] == str(tiny_model_dir)
+    for png in data["plots"].values():
+        _assert_png(png)
+
+
+def test_bench_compare_runs_both_modes_and_another_server(server, tiny_model_dir, tmp_path):
+    out = tmp_path / "compare"
+    proc = _cli("compare", "--model", str(tiny_model_dir), "--input-len", "16", "--output-len", "8",
+                "--num-prompts", "6", "--rates", "4", "--slo-ttft-ms", "3000", "--slo-tpot-ms", "500",
+                "--other-url", server.url, "--other-label", "running", "--warmup", "1",
+                "--request-timeout", "60", "--max-duration", "90", "--out-dir", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads((out / "compare.json").read_text())
+    assert summary["schema"] == "tandem.bench.compare/v1"
+    assert list(summary["systems"]) == ["disaggregated", "colocated", "running"]
+    assert summary["systems"]["colocated"]["server"]["pools"] == {"both": 2}
+    assert summary["ratios"]["baseline"] == "colocated"
+    assert "goodput (req/s)" in proc.stdout and "p90 TPOT" in proc.stdout
+    _assert_png(summary["plot"])
+    for label in summary["systems"]:
+        data = json.loads((out / f"{label}-results.json").read_text())
+        jsonschema.validate(data, RESULTS)
+        assert data["runs"][0]["summary"]["completed"] == 6
+        # one request sequence for every system
+        assert [r["expected_prompt_tokens"] for r in data["runs"][0]["requests"]] == [16] * 6
+    # the started servers are gone: their ports no longer answer
+    for label in ("disaggregated", "colocated"):
+        url = json.loads((out / f"{label}-results.json").read_text())["meta"]["server"]["url"]
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"{url}/health", timeout=2)

@@ -1,0 +1,134 @@
+"""The benchmark client and load generator against in-process fake servers (httpx mock
+transports): SSE parsing, errors counted by kind, the run deadline, the ratio table."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from services.bench.client import completion_body, stream_completion
+from services.bench.compare import ratios
+from services.bench.loadgen import run_requests
+from services.bench.workload import BenchRequest
+
+
+def _sse(events: list[dict | str]) -> bytes:
+    return b"".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n".encode() for e in events)
+
+
+def _chunk(text: str = "", tokens: int | None = 1) -> dict:
+    lps = None if tokens is None else {"tokens": [""] * tokens, "token_logprobs": [0.0] * tokens}
+    return {"choices": [{"index": 0, "text": text, "logprobs": lps, "finish_reason": None}]}
+
+
+USAGE = {"choices": [], "usage": {"prompt_tokens": 8, "completion_tokens": 4, "total_tokens": 12}}
+
+
+def _run(handler, body=None, timeout_s=5.0):
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            return await stream_completion(client, "http://x", body or completion_body("m", [1, 2], 4, logprobs=0),
+                                           timeout_s)
+    return asyncio.run(go())
+
+
+def test_a_stream_is_timed_per_token_chunk_even_without_text():
+    seen = {}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.update(json.loads(request.content))
+        return httpx.Response(200, content=_sse([_chunk(""), _chunk("a", 2), _chunk(""), USAGE, "[DONE]"]))
+
+    res = _run(handler)
+    assert res.error is None and res.status == 200
+    assert len(res.token_times) == 3 and res.chunk_tokens == [1, 2, 1]
+    assert (res.prompt_tokens, res.completion_tokens) == (8, 4)
+    assert seen["ignore_eos"] is True and seen["logprobs"] == 0 and seen["stream_options"]["include_usage"]
+    assert seen["prompt"] == [1, 2] and seen["max_tokens"] == 4
+
+
+def test_text_timing_counts_only_chunks_with_text():
+    content = _sse([_chunk("", None), _chunk("hi", None), {"choices": [{"text": "", "finish_reason": "length"}]},
+                    "[DONE]"])
+    res = _run(lambda r: httpx.Response(200, content=content), completion_body("m", "p", 4))
+    assert res.error is None and len(res.token_times) == 1 and res.chunk_tokens == [None]
+
+
+@pytest.mark.parametrize("handler, kind", [
+    (lambda r: httpx.Response(429, json={"error": {"message": "full"}}), "http_429"),
+    (lambda r: httpx.Response(503, text="down"), "http_503"),
+    (lambda r: httpx.Response(200, content=_sse([_chunk("a"), {"error": {"message": "boom"}}])), "stream_error"),
+    (lambda r: httpx.Response(200, content=_sse([_chunk("a")])), "incomplete"),
+    (lambda r: httpx.Response(200, content=b"data: {not json\n\n"), "protocol"),
+])
+def test_errors_are_recorded_by_kind(handler, kind):
+    res = _run(handler)
+    assert res.error == kind and res.detail
+
+
+def test_transport_failures_are_timeout_or_connection():
+    def refuse(request):
+        raise httpx.ConnectError("refused", request=request)
+
+    def stall(request):
+        raise httpx.ReadTimeout("slow", request=request)
+
+    assert _run(refuse).error == "connection"
+    assert _run(stall).error == "timeout"
+
+
+def test_the_whole_request_has_a_deadline():
+    class Slow(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            yield _sse([_chunk("a")])
+            await asyncio.sleep(5)
+
+    res = _run(lambda r: httpx.Response(200, stream=Slow()), timeout_s=0.2)
+    assert res.error == "timeout" and len(res.token_times) == 1
+
+
+def test_run_requests_records_every_request_including_failures_and_the_deadline():
+    class Slow(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            yield _sse([_chunk("a")])
+            await asyncio.sleep(10)
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        n = json.loads(request.content)["max_tokens"]
+        if n == 2:
+            return httpx.Response(429, json={"error": {"message": "busy"}})
+        if n == 3:
+            return httpx.Response(200, stream=Slow())
+        return httpx.Response(200, content=_sse([_chunk("a"), _chunk("b"), USAGE, "[DONE]"]))
+
+    reqs = [BenchRequest(i, [1] * 4, 4, out, "k") for i, out in enumerate([4, 2, 4, 3])]
+    res = asyncio.run(run_requests("http://x", "m", reqs, [0.0, 0.0, 0.05, 0.0], max_duration_s=0.5,
+                                   request_timeout_s=30, progress=False, transport=httpx.MockTransport(handler)))
+    by_index = {r["index"]: r for r in res.records}
+    assert len(res.records) == 4 and [r["index"] for r in res.records] == [0, 1, 2, 3]
+    assert by_index[0]["ok"] and by_index[0]["output_tokens"] == 4 and by_index[0]["ttft_s"] is not None
+    assert by_index[2]["ok"] and by_index[2]["sent_s"] >= 0.05
+    assert by_index[1]["error"] == "http_429"
+    assert by_index[3]["error"] == "deadline"  # still in flight when the run ended
+    assert 0.4 < res.duration_s < 5
+
+
+def _result(label, good, ttft, tpot, att):
+    runs = [{"rate": 1.0, "summary": {"ttft_ms": {"p90": ttft}, "tpot_ms": {"p90": tpot},
+                                      "attainment": {"both": att}}}]
+    return {"label": label, "goodput": {"interpolated_rps": good}, "runs": runs}
+
+
+def test_ratio_table_divides_by_the_baseline():
+    table = ratios([_result("disaggregated", 3.0, 200.0, 40.0, 0.95),
+                    _result("colocated", 2.0, 100.0, 50.0, 0.8)], "colocated")
+    rows = {r["metric"]: r for r in table["rows"]}
+    assert table["baseline"] == "colocated"
+    assert rows["goodput (req/s)"]["ratio_to_baseline"]["disaggregated"] == pytest.approx(1.5)
+    assert rows["p90 TTFT (ms) @ 1/s"]["ratio_to_baseline"]["disaggregated"] == pytest.approx(2.0)
+    assert rows["p90 TPOT (ms) @ 1/s"]["ratio_to_baseline"]["disaggregated"] == pytest.approx(0.8)
+    zero = ratios([_result("a", 1.0, 1.0, 1.0, 1.0), _result("colocated", 0.0, 1.0, 1.0, 1.0)], "colocated")
+    assert zero["rows"][0]["ratio_to_baseline"]["a"] is None  # no division by a zero goodput
