@@ -526,7 +526,7 @@ def test_gateway_starts_a_resource_less_ray_node_then_execs_tandem_serve(tmp_pat
         stub.chmod(0o755)
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin"} | {
         e["name"]: e["value"] for e in gw["env"] if "value" in e}
-    proc = subprocess.run([*gw["command"], *gw["args"]], env=env, capture_output=True, text=True, timeout=30)
+    proc = subprocess.run([*gw["command"], *gw["args"]], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     gcs = f"{RELEASE}-head-svc:6379"
     assert (tmp_path / "ray.calls").read_text().splitlines() == [
@@ -538,7 +538,7 @@ def test_gateway_starts_a_resource_less_ray_node_then_execs_tandem_serve(tmp_pat
     # a failing `ray start` stops the container before tandem runs
     (bin_dir / "ray").write_text('#!/bin/sh\n[ "$1" = start ] && exit 3\nexit 0\n')
     (tmp_path / "tandem.args").unlink()
-    proc = subprocess.run([*gw["command"], *gw["args"]], env=env, capture_output=True, text=True, timeout=30)
+    proc = subprocess.run([*gw["command"], *gw["args"]], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 3 and not (tmp_path / "tandem.args").exists()
 
 
