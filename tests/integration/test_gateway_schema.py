@@ -28,7 +28,7 @@ OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("G
 def api(tiny_model_dir):
     tok = Tokenizer.from_dir(tiny_model_dir)
     fake = FakeBackend(model_id=MODEL, max_model_len=64, vocab_size=tok.vocab_size, eos_token_ids=tok.eos_token_ids)
-    with ServerThread(create_app(fake, tok, max_n=4, max_prompts=8, request_timeout_s=10)) as srv:
+    with ServerThread(create_app(fake, tok, max_n=4, max_prompts=8, request_timeout_s=120)) as srv:
         yield schemathesis.openapi.from_url(srv.url + "/openapi.json"), fake
 
 
