@@ -12,15 +12,10 @@ import pytest
 from services.common.config import CacheConfig, ClusterConfig, EngineConfig
 from services.common.sampling_params import SamplingParams
 from services.engine import LLM
-from tests.hf_models import VOCAB, write_hf_checkpoint
+from tests.hf_models import VOCAB
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 LENGTHS = [1, 5, 16, 17, 40, 63, 90, 130]
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, tiny_model_dir):
-    return str(write_hf_checkpoint("llama3", tmp_path_factory.mktemp("ckpt") / "m", tiny_model_dir))
 
 
 @pytest.fixture(scope="module")

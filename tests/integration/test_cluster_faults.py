@@ -14,7 +14,7 @@ import ray
 from services.common.sampling_params import SamplingParams
 from services.engine import LLM
 from tests.hf_models import VOCAB
-from tests.integration.test_cluster import _config, checkpoint, wait_all_free  # noqa: F401
+from tests.integration.test_cluster import _config, wait_all_free
 
 LONG = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
 
@@ -26,12 +26,12 @@ def prompts():
 
 
 @pytest.fixture(scope="module")
-def reference(checkpoint, prompts):  # noqa: F811
+def reference(checkpoint, prompts):
     return [o.outputs[0].token_ids for o in LLM(checkpoint).generate(prompts, LONG)]
 
 
 @pytest.fixture
-def cluster(ray_session, checkpoint):  # noqa: F811
+def cluster(ray_session, checkpoint):
     from services.cluster.cluster import Cluster
 
     c = Cluster(_config(checkpoint, prefill_workers=2, decode_workers=2)).start()

@@ -17,7 +17,7 @@ import pytest
 
 from services.common.sampling_params import SamplingParams
 from services.engine import LLM
-from tests.integration.test_cluster import _config, checkpoint, wait_all_free  # noqa: F401
+from tests.integration.test_cluster import _config, wait_all_free
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["The quick brown fox", "def fibonacci(n):", "Once upon a time, in a land far away,",
@@ -25,7 +25,7 @@ PROMPTS = ["The quick brown fox", "def fibonacci(n):", "Once upon a time, in a l
 
 
 @pytest.fixture(scope="module")
-def served(ray_session, checkpoint):  # noqa: F811
+def served(ray_session, checkpoint):
     from services.cluster.backend import ClusterBackend
     from services.cluster.cluster import Cluster
     from services.engine.model.config import ModelConfig
@@ -43,7 +43,7 @@ def served(ray_session, checkpoint):  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def offline(checkpoint):  # noqa: F811
+def offline(checkpoint):
     return LLM(checkpoint)
 
 
