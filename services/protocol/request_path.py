@@ -42,6 +42,16 @@ def _check_request_id(value: object) -> None:
         raise ValueError(f"request_id must be a non-empty string, got {value!r}")
 
 
+def _check_descriptor(descriptor: object, request_id: str) -> None:
+    if descriptor is None:
+        return
+    if not isinstance(descriptor, KVTransferDescriptor):
+        raise ValueError(f"descriptor must be a KVTransferDescriptor or None, "
+                         f"got {type(descriptor).__name__}")
+    if descriptor.request_id != request_id:
+        raise ValueError(f"descriptor is for request {descriptor.request_id!r}, not {request_id!r}")
+
+
 def _check_params(value: object) -> None:
     if not isinstance(value, SamplingParams):
         raise ValueError(f"sampling_params must be a SamplingParams, got {type(value).__name__}")
@@ -89,13 +99,7 @@ class PrefillRequest:
             raise ValueError("prompt_token_ids must not be empty")
         object.__setattr__(self, "prompt_token_ids", ids)
         _check_params(self.sampling_params)
-        if self.descriptor is not None:
-            if not isinstance(self.descriptor, KVTransferDescriptor):
-                raise ValueError(f"descriptor must be a KVTransferDescriptor or None, "
-                                 f"got {type(self.descriptor).__name__}")
-            if self.descriptor.request_id != self.request_id:
-                raise ValueError(f"descriptor is for request {self.descriptor.request_id!r}, "
-                                 f"not {self.request_id!r}")
+        _check_descriptor(self.descriptor, self.request_id)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -152,13 +156,7 @@ class DecodeRequest:
         object.__setattr__(self, "output_token_ids",
                            _token_ids("output_token_ids", self.output_token_ids))
         _check_params(self.sampling_params)
-        if self.descriptor is not None:
-            if not isinstance(self.descriptor, KVTransferDescriptor):
-                raise ValueError(f"descriptor must be a KVTransferDescriptor or None, "
-                                 f"got {type(self.descriptor).__name__}")
-            if self.descriptor.request_id != self.request_id:
-                raise ValueError(f"descriptor is for request {self.descriptor.request_id!r}, "
-                                 f"not {self.request_id!r}")
+        _check_descriptor(self.descriptor, self.request_id)
 
     @property
     def prefill_locally(self) -> bool:

@@ -13,8 +13,8 @@ from services.gateway import ServerThread, create_app
 from services.gateway.fake_backend import FakeBackend
 from services.router.errors import ClusterFullError, NoWorkersError, PromptTooLargeError
 from services.text.tokenizer import Tokenizer
+from tests.gateway_helpers import MODEL, assert_error, chat, completion
 
-MODEL = "fake-model"
 
 
 @pytest.fixture(scope="module")
@@ -25,27 +25,6 @@ def tok(tiny_model_dir) -> Tokenizer:
 @pytest.fixture(scope="module")
 def backend(tok) -> FakeBackend:
     return FakeBackend(model_id=MODEL, max_model_len=128, vocab_size=tok.vocab_size, eos_token_ids=tok.eos_token_ids)
-
-
-def assert_error(r: httpx.Response, status: int, param: str | None = "*", code: str | None = "*") -> dict:
-    assert r.status_code == status, r.text
-    assert r.headers["content-type"].startswith("application/json")
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    assert isinstance(err["message"], str) and err["message"] and isinstance(err["type"], str)
-    if param != "*":
-        assert err["param"] == param, err
-    if code != "*":
-        assert err["code"] == code, err
-    return err
-
-
-def completion(**kw) -> dict:
-    return {"model": MODEL, "prompt": "hello", **kw}
-
-
-def chat(**kw) -> dict:
-    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **kw}
 
 
 class _Probe:

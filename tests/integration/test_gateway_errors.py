@@ -10,8 +10,8 @@ import pytest
 from services.gateway import ServerThread, create_app
 from services.gateway.fake_backend import FakeBackend
 from services.text.tokenizer import Tokenizer
+from tests.gateway_helpers import MODEL, assert_error, chat, completion
 
-MODEL = "fake-model"
 LIMIT = 64 * 1024
 
 
@@ -30,27 +30,6 @@ def http(backend, tok):
     app = create_app(backend, tok, max_body_bytes=LIMIT, max_n=4, request_timeout_s=30)
     with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=20) as c:
         yield c
-
-
-def assert_error(r: httpx.Response, status: int, param: str | None = "*", code: str | None = "*") -> dict:
-    assert r.status_code == status, r.text
-    assert r.headers["content-type"].startswith("application/json")
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    assert isinstance(err["message"], str) and err["message"] and isinstance(err["type"], str)
-    if param != "*":
-        assert err["param"] == param, err
-    if code != "*":
-        assert err["code"] == code, err
-    return err
-
-
-def completion(**kw) -> dict:
-    return {"model": MODEL, "prompt": "hello", **kw}
-
-
-def chat(**kw) -> dict:
-    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **kw}
 
 
 BAD_COMPLETIONS = [
