@@ -25,6 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--decode-steps", type=int, default=64, help="steps timed at batch 1")
     p.add_argument("--json", default=None, help="also write the results to this file")
+    p.add_argument("--no-onednn", action="store_true",
+                   help="plain torch matmuls (bit-compatible with transformers' MKL path)")
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -96,7 +98,8 @@ def main(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     path = str(args.model or default_model_path("bench"))
-    llm = LLM(path, num_threads=args.threads, max_num_batched_tokens=4096)
+    llm = LLM(path, num_threads=args.threads, max_num_batched_tokens=4096,
+              onednn=not args.no_onednn)
     vocab = min(llm.engine.model_config.vocab_size, llm.tokenizer.vocab_size)
     prompts = _prompts(args.num_prompts, args.input_len, vocab, args.seed)
     total_out = args.num_prompts * args.output_len

@@ -66,6 +66,7 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; None = leave as is
     max_model_len: int | None = None  # cap on prompt + output; None = the model's
     seed: int = 0
+    onednn: bool = True  # CPU fp32: oneDNN matmuls (faster; rounding differs from MKL's)
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
 

@@ -88,3 +88,10 @@ def test_prefix_cache_hits_keep_outputs_identical(checkpoint):
     for a, b, (ref_tokens, _) in zip(first, second, reference):
         assert a.outputs[0].token_ids == ref_tokens
         assert b.outputs[0].token_ids == ref_tokens
+
+
+def test_plain_torch_matmuls_match_too(checkpoint):
+    """The oneDNN switch off: MKL's matmuls, the same tokens."""
+    path, reference = checkpoint
+    outputs = LLM(str(path), onednn=False).generate(_prompts(), GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == [r[0] for r in reference]

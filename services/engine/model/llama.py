@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.engine.model import onednn
 from services.engine.model.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from services.engine.model.config import ModelConfig
 from services.engine.model.rope import RotaryEmbedding
@@ -76,6 +77,13 @@ class LlamaModel(nn.Module):
             cfg.hidden_size, cfg.vocab_size, bias=False)
         self.attn: AttentionBackend = TorchPagedAttention(cfg.head_dim ** -0.5)
         self.rope: RotaryEmbedding | None = None  # built on the real device by the loader
+        self._packed_head: torch.Tensor | None = None  # oneDNN copy of the LM head (CPU fp32)
+
+    def use_onednn(self) -> None:
+        """CPU fp32: run every projection and the LM head through oneDNN (see onednn.py)."""
+        onednn.pack_linears(self)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self._packed_head = onednn.pack(weight)
 
     def init_rope(self, max_positions: int) -> None:
         cfg = self.config
@@ -101,5 +109,7 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[R, hidden]`` -> float32 logits ``[R, vocab]``."""
+        if self._packed_head is not None:
+            return onednn.linear(hidden, self._packed_head, None)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()

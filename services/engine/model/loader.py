@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from services.engine.model import onednn
 from services.engine.model.config import ModelConfig
 from services.engine.model.llama import LlamaModel
 
@@ -30,7 +31,7 @@ def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dt
 
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
-               max_positions: int) -> LlamaModel:
+               max_positions: int, use_onednn: bool = True) -> LlamaModel:
     """Build the model on ``device`` in ``dtype`` and fill it from ``*.safetensors``.
 
     Raises ``FileNotFoundError`` / ``ValueError`` naming what is missing or unknown.
@@ -69,6 +70,8 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
         raise ValueError(f"checkpoint {path} lacks weights for: {', '.join(missing[:8])}"
                          + (" ..." if len(missing) > 8 else ""))
     model.init_rope(max_positions)
+    if use_onednn and onednn.available(device, dtype):
+        model.use_onednn()
     return model.eval()
 
 
