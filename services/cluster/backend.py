@@ -24,7 +24,7 @@ class ClusterBackend:
     async def ready(self) -> bool:
         """Every pool has a live worker and the transfer group is not being rebuilt."""
         c = self.cluster
-        if c.driver is None or not c._serving.is_set():
+        if c.driver is None or not c.serving:
             return False
         await c.refresh_loads()
         pools = [c.decode] + ([c.prefill] if c.prefill else [])

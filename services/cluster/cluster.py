@@ -173,6 +173,11 @@ class Cluster:
     async def refresh_loads(self) -> None:
         await asyncio.gather(*(w.refresh() for w in self.prefill + self.decode))
 
+    @property
+    def serving(self) -> bool:
+        """False while the transfer group is being rebuilt around a replaced worker."""
+        return self._serving.is_set()
+
     def _heal(self) -> None:
         try:
             self.replace_dead()

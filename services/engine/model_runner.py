@@ -54,8 +54,7 @@ class ModelRunner:
             item = scheduled[i]
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
             (decodes if n == 1 else prefills).append((len(ids), start, n, seq.block_ids))
-            tokens = seq.token_ids()
-            ids.extend(tokens[start:start + n])
+            ids.extend(seq.token_slice(start, start + n))
             positions.extend(range(start, start + n))
             bs, blocks = self.block_size, seq.block_ids
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))

@@ -59,6 +59,15 @@ class Sequence:
         p = len(self.prompt_token_ids)
         return self.prompt_token_ids[index] if index < p else self.output_token_ids[index - p]
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens ``[start, end)`` of prompt + output, without copying the whole sequence."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 

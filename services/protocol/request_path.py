@@ -42,6 +42,13 @@ def _check_request_id(value: object) -> None:
         raise ValueError(f"request_id must be a non-empty string, got {value!r}")
 
 
+def _prompt_ids(ids: object) -> tuple[int, ...]:
+    out = _token_ids("prompt_token_ids", ids)
+    if not out:
+        raise ValueError("prompt_token_ids must not be empty")
+    return out
+
+
 def _check_descriptor(descriptor: object, request_id: str) -> None:
     if descriptor is None:
         return
@@ -94,10 +101,7 @@ class PrefillRequest:
 
     def __post_init__(self) -> None:
         _check_request_id(self.request_id)
-        ids = _token_ids("prompt_token_ids", self.prompt_token_ids)
-        if not ids:
-            raise ValueError("prompt_token_ids must not be empty")
-        object.__setattr__(self, "prompt_token_ids", ids)
+        object.__setattr__(self, "prompt_token_ids", _prompt_ids(self.prompt_token_ids))
         _check_params(self.sampling_params)
         _check_descriptor(self.descriptor, self.request_id)
 
@@ -149,10 +153,7 @@ class DecodeRequest:
 
     def __post_init__(self) -> None:
         _check_request_id(self.request_id)
-        ids = _token_ids("prompt_token_ids", self.prompt_token_ids)
-        if not ids:
-            raise ValueError("prompt_token_ids must not be empty")
-        object.__setattr__(self, "prompt_token_ids", ids)
+        object.__setattr__(self, "prompt_token_ids", _prompt_ids(self.prompt_token_ids))
         object.__setattr__(self, "output_token_ids",
                            _token_ids("output_token_ids", self.output_token_ids))
         _check_params(self.sampling_params)

@@ -7,7 +7,8 @@ import random
 import pytest
 
 from services.common.sampling_params import SamplingParams
-from services.engine.kv_cache.block_pool import BlockPool, NoFreeBlocksError, hash_block
+from services.common.block_hash import hash_block
+from services.engine.kv_cache.block_pool import BlockPool, NoFreeBlocksError
 from services.engine.kv_cache.kv_manager import KVCacheManager
 from services.engine.sequence import Sequence
 
@@ -108,3 +109,10 @@ def test_random_workload_never_leaks():
     for s in live:
         kv.free(s)
     assert kv.pool.num_free == 32
+
+
+def test_token_slice_spans_prompt_and_output():
+    s = Sequence("s", [1, 2, 3], SamplingParams(), output_token_ids=[4, 5])
+    for start in range(6):
+        for end in range(start, 6):
+            assert s.token_slice(start, end) == s.token_ids()[start:end]

@@ -10,8 +10,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from services.common.block_hash import hash_block  # noqa: F401  (re-exported)
-
 
 class NoFreeBlocksError(RuntimeError):
     """Raised when an allocation asks for more blocks than are free."""

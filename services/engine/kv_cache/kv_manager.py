@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from services.engine.kv_cache.block_pool import BlockPool, hash_block
+from services.common.block_hash import hash_block
+from services.engine.kv_cache.block_pool import BlockPool
 from services.engine.sequence import Sequence
 
 
@@ -73,10 +74,9 @@ class KVCacheManager:
         num_full = min(seq.num_computed_tokens // bs, len(seq.block_ids))
         if len(seq.block_hashes) >= num_full:
             return
-        tokens = seq.token_ids()
         parent = seq.block_hashes[-1] if seq.block_hashes else None
         for i in range(len(seq.block_hashes), num_full):
-            parent = hash_block(parent, tokens[i * bs:(i + 1) * bs])
+            parent = hash_block(parent, seq.token_slice(i * bs, (i + 1) * bs))
             seq.block_hashes.append(parent)
             self.pool.register(seq.block_ids[i], parent)
 
