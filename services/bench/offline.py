@@ -27,6 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="also write the results to this file")
     p.add_argument("--no-onednn", action="store_true",
                    help="plain torch matmuls (bit-compatible with transformers' MKL path)")
+    p.add_argument("--no-cpu-kernels", action="store_true",
+                   help="torch (gather + SDPA) decode attention instead of the native kernel")
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -99,7 +101,7 @@ def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     path = str(args.model or default_model_path("bench"))
     llm = LLM(path, num_threads=args.threads, max_num_batched_tokens=4096,
-              onednn=not args.no_onednn)
+              onednn=not args.no_onednn, cpu_kernels=not args.no_cpu_kernels)
     vocab = min(llm.engine.model_config.vocab_size, llm.tokenizer.vocab_size)
     prompts = _prompts(args.num_prompts, args.input_len, vocab, args.seed)
     total_out = args.num_prompts * args.output_len

@@ -67,6 +67,7 @@ class EngineConfig:
     max_model_len: int | None = None  # cap on prompt + output; None = the model's
     seed: int = 0
     onednn: bool = True  # CPU fp32: oneDNN matmuls (faster; rounding differs from MKL's)
+    cpu_kernels: bool = True  # CPU fp32: native decode attention (compiled on first use)
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
 

@@ -48,10 +48,11 @@ class LLM:
                  num_blocks: int | None = None, kv_cache_memory_gb: float = 1.0,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-                 num_threads: int | None = None, onednn: bool = True) -> None:
+                 num_threads: int | None = None, onednn: bool = True,
+                 cpu_kernels: bool = True) -> None:
         config = EngineConfig(
             model=model, dtype=dtype, device=device, seed=seed, max_model_len=max_model_len,
-            num_threads=num_threads, onednn=onednn,
+            num_threads=num_threads, onednn=onednn, cpu_kernels=cpu_kernels,
             cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
                               memory_gb=kv_cache_memory_gb,
                               enable_prefix_caching=enable_prefix_caching),

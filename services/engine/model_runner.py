@@ -129,4 +129,5 @@ class ModelRunner:
             valid_flat=None if all_valid else valid.flatten().nonzero().squeeze(1).to(dev),
             token_rows=token_index[valid].to(dev),
             block_table=table.to(dev),
+            last_pos=(starts + lens - 1).to(dev),
             mask=mask.unsqueeze(1).to(dev))

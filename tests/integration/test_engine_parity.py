@@ -90,8 +90,15 @@ def test_prefix_cache_hits_keep_outputs_identical(checkpoint):
         assert b.outputs[0].token_ids == ref_tokens
 
 
-def test_plain_torch_matmuls_match_too(checkpoint):
-    """The oneDNN switch off: MKL's matmuls, the same tokens."""
+@pytest.mark.parametrize("switches", [dict(onednn=False), dict(cpu_kernels=False),
+                                      dict(onednn=False, cpu_kernels=False)],
+                         ids=["mkl-matmuls", "torch-attention-and-ops", "pure-torch"])
+def test_fast_paths_off_match_too(checkpoint, switches):
+    """oneDNN and the native CPU kernels switched off (the portable torch path a GPU
+    runs): the same tokens, the same logprobs."""
     path, reference = checkpoint
-    outputs = LLM(str(path), onednn=False).generate(_prompts(), GREEDY)
+    outputs = LLM(str(path), **switches).generate(_prompts(), GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == [r[0] for r in reference]
+    for out, (_, ref_rows) in zip(outputs, reference):
+        for lp, row in zip(out.outputs[0].logprobs, ref_rows):
+            assert lp.logprob == pytest.approx(float(row[lp.token_id]), abs=LOGPROB_ATOL)

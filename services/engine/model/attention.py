@@ -2,8 +2,9 @@
 
 ``AttentionBackend`` is the seam where a GPU kernel (FlashInfer, flash-attn)
 can plug in; ``TorchPagedAttention`` is the portable torch implementation
-(SDPA on CPU and CUDA). The runner builds ``AttentionMetadata`` once per step
-and every layer reuses it.
+(SDPA on CPU and CUDA), which hands decode groups to the native CPU kernel
+(``cpu_kernels.py``, reading blocks in place) when one is loaded. The runner
+builds ``AttentionMetadata`` once per step and every layer reuses it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+from services.engine.model.cpu_kernels import CpuKernels
 
 
 @dataclass
@@ -26,6 +29,7 @@ class AttentionGroup:
     valid_flat: torch.Tensor | None  # [N] long: which of the B*Q rows are real; None = all
     token_rows: torch.Tensor  # [N] long: flat token row of each real query
     block_table: torch.Tensor  # [B, max_blocks] long (padding -> block 0)
+    last_pos: torch.Tensor  # [B] long: position of each sequence's last query
     mask: torch.Tensor | None  # [B, 1, Q, K] bool, True = may attend; None = no masking needed
 
 
@@ -46,10 +50,17 @@ class AttentionBackend(Protocol):
 
 
 class TorchPagedAttention:
-    """Gather each group's blocks by block table, then one masked SDPA per group."""
+    """Gather each group's blocks by block table, then one masked SDPA per group.
 
-    def __init__(self, scale: float) -> None:
+    With ``kernels`` (fp32 on CPU), decode groups skip the gather: the native
+    kernel reads each sequence's blocks where they lie.
+    """
+
+    def __init__(self, scale: float, sliding_window: int | None = None,
+                 kernels: CpuKernels | None = None) -> None:
         self.scale = scale
+        self.sliding_window = sliding_window
+        self.kernels = kernels
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -57,11 +68,18 @@ class TorchPagedAttention:
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
-        if len(meta.groups) == 1 and meta.groups[0].valid_flat is None \
+        native = self.kernels is not None and q.device.type == "cpu" \
+            and q.dtype == torch.float32 and k_cache.dtype == torch.float32
+        if not native and len(meta.groups) == 1 and meta.groups[0].valid_flat is None \
                 and meta.groups[0].token_index.shape[1] == 1:
             return self._group(q, k_cache, v_cache, meta.groups[0])[:, 0]  # pure decode step
         out = torch.empty_like(q)
         for g in meta.groups:
+            if native and g.token_index.shape[1] == 1:
+                self.kernels.paged_decode(q, out, g.token_rows, k_cache, v_cache,
+                                          g.block_table, g.last_pos, self.sliding_window,
+                                          self.scale)
+                continue
             o = self._group(q, k_cache, v_cache, g)  # [B, Q, H, D]
             o = o.reshape(-1, o.shape[2], o.shape[3])
             out[g.token_rows] = o if g.valid_flat is None else o[g.valid_flat]

@@ -13,9 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.engine.model import onednn
+from services.engine.model import cpu_kernels, onednn
 from services.engine.model.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from services.engine.model.config import ModelConfig
+from services.engine.model.layer_ops import NativeLayerOps, TorchLayerOps
 from services.engine.model.rope import RotaryEmbedding
 
 
@@ -47,21 +48,24 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                attn: AttentionBackend, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        t = x.shape[0]  # x: [T, hidden]
-        q, k, v = self.qkv_proj(self.input_layernorm(x)).split(self.split, dim=-1)
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor,
+                ops: TorchLayerOps, rope: RotaryEmbedding, attn: AttentionBackend,
+                k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual stream ``x [T, hidden]`` plus the previous layer's pending ``delta``
+        in; the updated stream and this layer's MLP output (still to be added) out."""
+        t = x.shape[0]
+        x, h = ops.add_norm(x, delta, self.input_layernorm)
+        q, k, v = self.qkv_proj(h).split(self.split, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q, k, positions)
+        q, k = ops.rope(rope, q, k, positions)
         o = attn(q, k, v, k_cache, v_cache, meta)  # [T, H, D]
-        x = x + self.o_proj(o.reshape(t, -1))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        x, h = ops.add_norm(x, self.o_proj(o.reshape(t, -1)), self.post_attention_layernorm)
+        return x, self.down_proj(ops.silu_mul(self.gate_up_proj(h)))
 
 
 class LlamaModel(nn.Module):
@@ -75,15 +79,29 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
             cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.attn: AttentionBackend = TorchPagedAttention(cfg.head_dim ** -0.5)
+        self.attn: AttentionBackend = TorchPagedAttention(cfg.head_dim ** -0.5, cfg.sliding_window)
         self.rope: RotaryEmbedding | None = None  # built on the real device by the loader
         self._packed_head: torch.Tensor | None = None  # oneDNN copy of the LM head (CPU fp32)
+        self.ops: TorchLayerOps = TorchLayerOps()
 
     def use_onednn(self) -> None:
         """CPU fp32: run every projection and the LM head through oneDNN (see onednn.py)."""
         onednn.pack_linears(self)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self._packed_head = onednn.pack(weight)
+
+    def use_cpu_kernels(self) -> bool:
+        """CPU fp32: decode attention and the elementwise steps through native kernels.
+
+        Returns False (the torch path stays) where they cannot be built.
+        """
+        kernels = cpu_kernels.load()
+        if kernels is None:
+            return False
+        if isinstance(self.attn, TorchPagedAttention):
+            self.attn.kernels = kernels
+        self.ops = NativeLayerOps(kernels)
+        return True
 
     def init_rope(self, max_positions: int) -> None:
         cfg = self.config
@@ -100,12 +118,13 @@ class LlamaModel(nn.Module):
         ``on_layer_done(i)`` runs after layer ``i`` wrote its KV (layer-wise transfer).
         Returns final-normed hidden states ``[T, hidden]``.
         """
-        x = self.embed_tokens(input_ids)
+        x, delta = self.embed_tokens(input_ids), None
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, self.rope, self.attn, kv_cache[i, 0], kv_cache[i, 1], meta)
+            x, delta = layer(x, delta, positions, self.ops, self.rope, self.attn,
+                             kv_cache[i, 0], kv_cache[i, 1], meta)
             if on_layer_done is not None:
                 on_layer_done(i)
-        return self.norm(x)
+        return self.ops.add_norm(x, delta, self.norm)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[R, hidden]`` -> float32 logits ``[R, vocab]``."""

@@ -31,7 +31,8 @@ def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dt
 
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
-               max_positions: int, use_onednn: bool = True) -> LlamaModel:
+               max_positions: int, use_onednn: bool = True,
+               use_cpu_kernels: bool = True) -> LlamaModel:
     """Build the model on ``device`` in ``dtype`` and fill it from ``*.safetensors``.
 
     Raises ``FileNotFoundError`` / ``ValueError`` naming what is missing or unknown.
@@ -72,6 +73,8 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
     model.init_rope(max_positions)
     if use_onednn and onednn.available(device, dtype):
         model.use_onednn()
+    if use_cpu_kernels and device.type == "cpu" and dtype == torch.float32:
+        model.use_cpu_kernels()
     return model.eval()
 
 

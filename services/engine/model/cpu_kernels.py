@@ -1,0 +1,183 @@
+"""Native CPU kernels (C with OpenMP), compiled on first use and called through ctypes.
+
+The C sources in ``csrc/`` are built with the system C compiler into a shared
+library cached under ``$TANDEM_CACHE_DIR/kernels`` (default
+``~/.cache/tandem/kernels``), keyed by the source, the flags and the CPU, so a
+machine compiles once (well under a second). The library links the OpenMP
+runtime torch has already loaded, so kernels share torch's threads.
+
+``load()`` returns None, after one warning, when no compiler is found or the
+build fails; callers then keep the torch path, which computes the same thing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = ("paged_decode.c", "fused_ops.c")
+_HEADERS = ("vexp.h",)
+_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+class CpuKernels:
+    """The loaded library; each method checks its tensors before handing pointers over."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._decode = lib.tandem_paged_decode_f32
+        self._decode.restype = ctypes.c_int
+        self._decode.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64,
+                                 _i64, _i64, _i64, _i64, _i64, _f32, _i64]
+        self._add_rms_norm = lib.tandem_add_rms_norm_f32
+        self._add_rms_norm.restype = None
+        self._add_rms_norm.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32]
+        self._rope = lib.tandem_rope_f32
+        self._rope.restype = None
+        self._rope.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64]
+        self._silu_mul = lib.tandem_silu_mul_f32
+        self._silu_mul.restype = None
+        self._silu_mul.argtypes = [_ptr, _ptr, _i64, _i64]
+
+    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """``x += delta`` in place (when given), then return ``RMSNorm(x) * weight``.
+
+        ``x, delta [T, dim]`` contiguous fp32; ``weight [dim]``.
+        """
+        _check_f32(x, weight, *(() if delta is None else (delta,)))
+        out = torch.empty_like(x)
+        self._add_rms_norm(x.data_ptr(), None if delta is None else delta.data_ptr(),
+                           out.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1], eps)
+        return out
+
+    def rope_(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              positions: torch.Tensor) -> None:
+        """Rotate-half RoPE in place on ``q [T, H, D]`` and ``k [T, KVH, D]``.
+
+        Rows may be strided (views of the fused qkv output); heads must be dense.
+        ``cos, sin [P, D]`` fp32 tables; ``positions [T]`` int64.
+        """
+        _check_dense_heads(q, k)
+        _check_f32(cos, sin)
+        if positions.dtype != torch.long or not positions.is_contiguous():
+            raise ValueError("rope_ positions must be contiguous int64")
+        self._rope(q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0), k.shape[1],
+                   cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), q.shape[0], q.shape[2])
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of a fused ``[T, 2I]`` projection, as ``[T, I]``."""
+        _check_f32(gate_up)
+        rows, width = gate_up.shape
+        out = gate_up.new_empty(rows, width // 2)
+        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
+        return out
+
+    def paged_decode(self, q: torch.Tensor, out: torch.Tensor, rows: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                     positions: torch.Tensor, window: int | None, scale: float) -> None:
+        """Attend one query per row over its paged keys, writing ``out[rows]``.
+
+        ``q [T, H, D]`` fp32 (rows may be strided), ``out [T, H, D]`` fp32; ``rows, positions [R]`` int64 (token row, query
+        position); ``k_cache, v_cache [blocks, block_size, KVH, D]`` fp32;
+        ``block_table [R, max_blocks]`` int64. Keys ``(pos - window, pos]`` when
+        ``window`` is set, else ``[0, pos]``.
+        """
+        _check_f32(out, k_cache, v_cache)
+        _check_dense_heads(q)
+        for t in (rows, block_table, positions):
+            if t.dtype != torch.long or t.device.type != "cpu" or not t.is_contiguous():
+                raise ValueError("paged_decode indices must be contiguous int64 CPU tensors")
+        _, heads, head_dim = q.shape
+        _, block_size, kv_heads, _ = k_cache.shape
+        rc = self._decode(q.data_ptr(), q.stride(0), out.data_ptr(), rows.data_ptr(), k_cache.data_ptr(),
+                          v_cache.data_ptr(), block_table.data_ptr(), block_table.shape[1],
+                          positions.data_ptr(), rows.shape[0], heads, kv_heads, head_dim,
+                          block_size, window or 0, scale,
+                          _head_splits(rows.shape[0], kv_heads))
+        if rc != 0:
+            raise MemoryError("paged_decode could not allocate its scratch buffers")
+
+
+def _check_f32(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError("CPU kernels need contiguous fp32 CPU tensors")
+
+
+def _check_dense_heads(*tensors: torch.Tensor) -> None:
+    """``[T, heads, D]`` fp32 CPU views whose heads are dense (rows may be strided)."""
+    for t in tensors:
+        if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 3 \
+                or t.stride(2) != 1 or t.stride(1) != t.shape[2]:
+            raise ValueError("CPU kernels need fp32 CPU [T, heads, D] tensors with dense heads")
+
+
+def _head_splits(num_rows: int, kv_heads: int) -> int:
+    """Whole rows per task keep K/V reads contiguous; split heads only when rows are few."""
+    threads = torch.get_num_threads()
+    if num_rows >= 4 * threads:
+        return 1
+    return next(s for s in range(min(kv_heads, 4 * threads), 0, -1) if kv_heads % s == 0)
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem"
+    return Path(root) / "kernels"
+
+
+def _cpu_id() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), platform.processor())
+    except OSError:
+        return platform.processor()
+
+
+def _build(compiler: str) -> Path:
+    digest = hashlib.sha256(" ".join([compiler, *_FLAGS, _cpu_id()]).encode())
+    for name in _SOURCES + _HEADERS:
+        digest.update((_CSRC / name).read_bytes())
+    target = _cache_dir() / f"tandem-kernels-{digest.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        sources = [str(_CSRC / name) for name in _SOURCES]
+        subprocess.run([compiler, *_FLAGS, "-o", tmp, *sources, "-lm"], check=True,
+                       capture_output=True, text=True, timeout=120)
+        os.replace(tmp, target)  # atomic: concurrent workers never load a half-written file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@cache
+def load() -> CpuKernels | None:
+    """The compiled kernels, or None (with one warning) where they cannot be built."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler found: CPU attention stays on the torch path")
+        return None
+    try:
+        return CpuKernels(ctypes.CDLL(str(_build(compiler))))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", "") or e
+        log.warning("CPU kernels unavailable, using the torch path: %s", detail)
+        return None

@@ -1,0 +1,66 @@
+/* Fused elementwise steps of a decoder layer on CPU (fp32), one pass each over
+ * memory where torch takes several. Rows are split over OpenMP threads.
+ * Built with -std=c11 (no FMA contraction), so RoPE rounds as torch does. */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "vexp.h"
+
+/* x[t] += delta[t] (when delta is given), then out[t] = w * (x[t] * rsqrt(mean(x[t]^2) + eps)).
+ * x, delta, out: [T, dim] contiguous; w: [dim]. */
+void tandem_add_rms_norm_f32(float *x, const float *delta, float *out, const float *w,
+                             int64_t rows, int64_t dim, float eps) {
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < rows; ++t) {
+        float *xt = x + t * dim, *ot = out + t * dim;
+        float ss = 0.f;
+        if (delta != NULL) {
+            const float *dt = delta + t * dim;
+#pragma omp simd
+            for (int64_t i = 0; i < dim; ++i) xt[i] += dt[i];
+        }
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < dim; ++i) ss += xt[i] * xt[i];
+        const float inv = 1.f / sqrtf(ss / (float)dim + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < dim; ++i) ot[i] = w[i] * (xt[i] * inv);
+    }
+}
+
+/* Rotate-half RoPE in place: x[:h] = x1*c - x2*s, x[h:] = x2*c + x1*s.
+ * q: [T, *, D] with row stride q_stride, nq heads; likewise k. cos/sin: [P, D]. */
+void tandem_rope_f32(float *q, int64_t q_stride, int64_t nq, float *k, int64_t k_stride,
+                     int64_t nk, const float *cos_t, const float *sin_t,
+                     const int64_t *positions, int64_t rows, int64_t head_dim) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < rows; ++t) {
+        const float *c = cos_t + positions[t] * head_dim, *s = sin_t + positions[t] * head_dim;
+        for (int64_t h = 0; h < nq + nk; ++h) {
+            float *x = h < nq ? q + t * q_stride + h * head_dim : k + t * k_stride + (h - nq) * head_dim;
+#pragma omp simd
+            for (int64_t i = 0; i < half; ++i) {
+                const float x1 = x[i], x2 = x[i + half];
+                const float a = x1 * c[i], b = -x2 * s[i];
+                const float e = x2 * c[i + half], f = x1 * s[i + half];
+                x[i] = a + b;
+                x[i + half] = e + f;
+            }
+        }
+    }
+}
+
+/* out[t, i] = silu(gu[t, i]) * gu[t, inter + i]; gu: [T, 2*inter], out: [T, inter]. */
+void tandem_silu_mul_f32(const float *gu, float *out, int64_t rows, int64_t inter) {
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < rows; ++t) {
+        const float *restrict g = gu + t * 2 * inter, *restrict u = g + inter;
+        float *restrict o = out + t * inter;
+#pragma omp simd
+        for (int64_t i = 0; i < inter; ++i) {
+            const float x = g[i];
+            o[i] = x / (1.f + tandem_expf(-x)) * u[i];
+        }
+    }
+}

@@ -1,0 +1,104 @@
+"""The native CPU kernels against the torch computations they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.engine.model import cpu_kernels
+from services.engine.model.rope import RotaryEmbedding
+
+kernels = cpu_kernels.load()
+pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler on this machine")
+
+
+def _reference_decode(q, k_cache, v_cache, table, positions, window, scale):
+    """Gather + masked SDPA: the torch path's decode attention."""
+    bs = k_cache.shape[1]
+    keys = torch.arange(table.shape[1] * bs)
+    mask = keys[None, :] <= positions[:, None]
+    if window:
+        mask &= keys[None, :] > positions[:, None] - window
+    kg = k_cache[table].flatten(1, 2).transpose(1, 2)
+    vg = v_cache[table].flatten(1, 2).transpose(1, 2)
+    o = F.scaled_dot_product_attention(q[:, :, None], kg, vg, attn_mask=mask[:, None, None],
+                                       scale=scale, enable_gqa=True)
+    return o[:, :, 0]
+
+
+@pytest.mark.parametrize("heads,kv_heads,rows,window", [
+    (8, 4, 64, None), (4, 4, 3, None), (8, 2, 1, None), (16, 4, 5, 20), (6, 2, 40, 7)])
+def test_paged_decode_matches_gather_and_sdpa(heads, kv_heads, rows, window):
+    gen = torch.Generator().manual_seed(rows)
+    d, bs, num_blocks = 32, 8, 1000
+    k_cache = torch.randn(num_blocks, bs, kv_heads, d, generator=gen)
+    v_cache = torch.randn(num_blocks, bs, kv_heads, d, generator=gen)
+    positions = torch.randint(0, 90, (rows,), generator=gen)
+    max_blocks = int(positions.max()) // bs + 1
+    table = torch.randperm(num_blocks, generator=gen)[:rows * max_blocks].view(rows, max_blocks)
+    # q rows strided, as views of a fused qkv output; decode rows scattered in the batch
+    qkv = torch.randn(rows + 3, (heads + 2 * kv_heads) * d, generator=gen)
+    q = qkv[:, :heads * d].view(rows + 3, heads, d)
+    token_rows = torch.randperm(rows + 3, generator=gen)[:rows]
+    out = torch.full((rows + 3, heads, d), float("nan"))
+    kernels.paged_decode(q, out, token_rows, k_cache, v_cache, table, positions, window, 0.3)
+    ref = _reference_decode(q[token_rows], k_cache, v_cache, table, positions, window, 0.3)
+    torch.testing.assert_close(out[token_rows], ref, atol=2e-6, rtol=1e-5)
+    untouched = torch.ones(rows + 3, dtype=torch.bool)
+    untouched[token_rows] = False
+    assert out[untouched].isnan().all(), "rows outside the group must not be written"
+
+
+def test_paged_decode_rejects_wrong_dtypes_and_layouts():
+    q = torch.randn(2, 4, 8)
+    cache = torch.randn(4, 4, 2, 8)
+    args = (torch.arange(2), cache, cache, torch.zeros(2, 1, dtype=torch.long),
+            torch.zeros(2, dtype=torch.long), None, 1.0)
+    with pytest.raises(ValueError, match="int64"):
+        kernels.paged_decode(q, torch.empty_like(q), torch.arange(2, dtype=torch.int32),
+                             *args[1:])
+    with pytest.raises(ValueError, match="fp32"):
+        kernels.paged_decode(q.half(), torch.empty_like(q), *args)
+    with pytest.raises(ValueError, match="dense heads"):
+        kernels.paged_decode(q.transpose(0, 1), torch.empty_like(q), *args)
+
+
+def test_add_rms_norm_adds_in_place_and_normalizes():
+    x, delta, w = torch.randn(37, 96), torch.randn(37, 96), torch.randn(96)
+    expected_x = x + delta
+    h = expected_x * torch.rsqrt(expected_x.pow(2).mean(-1, keepdim=True) + 1e-5)
+    out = kernels.add_rms_norm(x, delta, w, 1e-5)
+    assert torch.equal(x, expected_x)
+    torch.testing.assert_close(out, w * h, atol=1e-6, rtol=1e-5)
+    plain = kernels.add_rms_norm(x.clone(), None, w, 1e-5)
+    torch.testing.assert_close(plain, out, atol=1e-6, rtol=1e-5)
+
+
+def test_rope_in_place_is_bit_identical_to_torch():
+    rope = RotaryEmbedding(64, 512, 10000.0, None, torch.float32)
+    qkv = torch.randn(50, (8 + 2 * 2) * 64)
+    positions = torch.randint(0, 512, (50,))
+    q, k = qkv[:, :512].view(50, 8, 64), qkv[:, 512:640].view(50, 2, 64)
+    ref_q, ref_k = rope(q, k, positions)
+    kernels.rope_(q, k, rope.cos, rope.sin, positions)
+    assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
+
+
+def test_silu_mul_matches_torch_over_a_wide_range():
+    gate_up = torch.cat([torch.linspace(-100, 100, 4000).view(40, 100)] * 2, dim=1)
+    gate_up[:, 100:] = torch.randn(40, 100)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(kernels.silu_mul(gate_up), F.silu(gate) * up,
+                               atol=1e-6, rtol=2e-6)
+
+
+def test_a_failed_build_falls_back_to_none(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    cpu_kernels.load.cache_clear()
+    try:
+        assert cpu_kernels.load() is None
+        assert "torch path" in caplog.text
+    finally:
+        cpu_kernels.load.cache_clear()
