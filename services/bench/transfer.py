@@ -2,10 +2,13 @@
 and the TTFT / second-token latency disaggregation adds over colocated serving.
 
 Part 1 runs two Ray actors in one gloo (or nccl) group. Each holds a paged KV
-cache shaped like the checkpoint's; the protocol path (gather into staging,
-header, send; receive, scatter into reserved blocks) moves the same bytes as a
-raw send/recv into a preallocated buffer, in the same run (raw first: a
-receiver thread parked on a peer must be that peer's only reader).
+cache shaped like the checkpoint's; the protocol moves the same bytes as a raw
+send/recv into a preallocated buffer, in the same run (raw first: a receiver
+thread parked on a peer must be that peer's only reader): in place where the
+blocks are consecutive on both sides (header, then one message per layer, K|V
+and run, straight from and into the caches), and gathered (gather into
+staging, header, send; receive, scatter into the reserved blocks) as when
+blocks are scattered.
 Part 2 starts a disaggregated cluster (layer-wise streaming on, then off) and a
 colocated one with the same worker count, and times single requests.
 """
@@ -67,7 +70,8 @@ class _Peer:
             times.append(time.perf_counter() - t0)
         return times
 
-    def protocol(self, num_blocks: int, groups: int, repeats: int) -> list[float]:
+    def protocol(self, num_blocks: int, groups: int, repeats: int,
+                 in_place: bool = True) -> list[float]:
         from services.protocol.messages import layer_groups
         from services.transfer.receiver import KVReceiver
         from services.transfer.sender import KVSender, SendJob
@@ -80,13 +84,17 @@ class _Peer:
         if self.rank == 0:
             if self.sender is None:
                 self.sender = KVSender(self.channel, self.cache.gather, self.cache.block_shape,
-                                       self.cache.dtype, self.reports.append)
+                                       self.cache.dtype, self.reports.append, self.cache.plane,
+                                       self.cache.plane_block_bytes)
             self.reports.clear()
+            self.channel.recv(ack, 1)  # the receiver expects the first transfer
             for r in range(repeats):
                 t0 = time.perf_counter()
                 for g, layers in enumerate(layer_ranges):
-                    self.sender.submit(SendJob(f"t{groups}-{r}", 1, blocks, layers, g,
-                                               g == len(layer_ranges) - 1))
+                    self.sender.submit(SendJob(f"t{groups}{'p' if in_place else 'g'}-{r}", 1,
+                                               blocks, layers, g,
+                                               g == len(layer_ranges) - 1,
+                                               dst_block_ids=blocks if in_place else ()))
                 while len(self.reports) <= r:
                     time.sleep(0.0005)
                 self.channel.recv(ack, 1)
@@ -94,13 +102,17 @@ class _Peer:
         else:
             if self.receiver is None:
                 self.receiver = KVReceiver(self.channel, [0], self.cache.scatter,
-                                           self.cache.block_shape, self.cache.dtype)
+                                           self.cache.block_shape, self.cache.dtype,
+                                           self.cache.plane, self.cache.plane_block_bytes)
+            tag = f"t{groups}{'p' if in_place else 'g'}"
+            self.receiver.expect(f"{tag}-0", 0, blocks, layer_ranges)
+            self.channel.send(ack, 0)
             for r in range(repeats):
-                tid = f"t{groups}-{r}"
-                self.receiver.expect(tid, 0, blocks, layer_ranges)
-                pt = self.receiver.wait(tid, 60.0)
+                pt = self.receiver.wait(f"{tag}-{r}", 60.0)
                 assert pt.status.name == "DONE", pt.error
-                self.receiver.forget(tid)
+                self.receiver.forget(f"{tag}-{r}")
+                if r + 1 < repeats:  # expected before the ack lets the sender go on
+                    self.receiver.expect(f"{tag}-{r + 1}", 0, blocks, layer_ranges)
                 self.channel.send(ack, 0)
         return times
 
@@ -128,10 +140,12 @@ def bandwidth(model: str, sizes_mb: list[float], repeats: int, backend: str = "g
             nbytes = n_blocks * block
             kv = ray.get([p.protocol.remote(n_blocks, mc.num_layers, repeats) for p in peers])[0]
             kv1 = ray.get([p.protocol.remote(n_blocks, 1, repeats) for p in peers])[0]
-            r, k, k1 = (statistics.median(x) for x in (raw_times, kv, kv1))
+            kvg = ray.get([p.protocol.remote(n_blocks, 1, repeats, False) for p in peers])[0]
+            r, k, k1, kg = (statistics.median(x) for x in (raw_times, kv, kv1, kvg))
             rows.append(dict(mb=nbytes / 2**20, raw_gb_s=nbytes / r / 1e9,
                              kv_per_layer_gb_s=nbytes / k / 1e9, kv_one_group_gb_s=nbytes / k1 / 1e9,
-                             ratio_per_layer=r / k, ratio_one_group=r / k1))
+                             kv_gathered_gb_s=nbytes / kg / 1e9, ratio_per_layer=r / k,
+                             ratio_one_group=r / k1, ratio_gathered=r / kg))
     finally:
         for p in peers:
             ray.kill(p)
@@ -188,10 +202,14 @@ def main(args: argparse.Namespace) -> int:
     rows = bandwidth(model, [float(s) for s in args.sizes_mb.split(",")], args.repeats)
     result["bandwidth"] = rows
     print(f"KV transfer vs raw gloo send/recv, same bytes, same run ({model}):")
-    print(f"{'MB':>8} {'raw GB/s':>9} {'KV/layer':>9} {'ratio':>6} {'KV/1grp':>9} {'ratio':>6}")
+    print("(KV/layer, KV/1grp: runs sent in place where they pay off, per-layer groups or one "
+          "group; gathered: one group through the gather/scatter copies)")
+    print(f"{'MB':>8} {'raw GB/s':>9} {'KV/layer':>9} {'ratio':>6} {'KV/1grp':>9} {'ratio':>6} "
+          f"{'gathered':>9} {'ratio':>6}")
     for r in rows:
         print(f"{r['mb']:8.1f} {r['raw_gb_s']:9.2f} {r['kv_per_layer_gb_s']:9.2f} "
-              f"{r['ratio_per_layer']:6.2f} {r['kv_one_group_gb_s']:9.2f} {r['ratio_one_group']:6.2f}")
+              f"{r['ratio_per_layer']:6.2f} {r['kv_one_group_gb_s']:9.2f} {r['ratio_one_group']:6.2f} "
+              f"{r['kv_gathered_gb_s']:9.2f} {r['ratio_gathered']:6.2f}")
     if not args.skip_ttft:
         lens = [int(x) for x in args.prompt_lens.split(",")]
         rows = ttft(model, lens, args.ttft_repeats, args.threads)

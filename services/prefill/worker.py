@@ -138,7 +138,8 @@ class PrefillWorker(EngineWorker):
                     sender.submit(SendJob(
                         transfer_id=d.transfer_id, dst_rank=d.dst_rank,
                         src_block_ids=seq.block_ids[:n_blocks], layers=group.layers,
-                        layer_group=g, final=final, with_checksum=d.checksum))
+                        layer_group=g, final=final, with_checksum=d.checksum,
+                        dst_block_ids=d.block_ids))
 
     def _on_sent(self, report: SendReport) -> None:
         rid = self._by_transfer.get(report.transfer_id)

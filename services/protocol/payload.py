@@ -31,6 +31,8 @@ class LayerGroupHeader:
     ``num_bytes`` is the size of the payload that follows (0: none follows).
     ``checksum`` is present only when the descriptor asked for it.
     ``aborted`` tells the receiver that the sender gave up on this transfer.
+    ``segments``: empty for one gathered payload; else the zero-copy layout, one
+    message per (layer, K|V, run of this many blocks) — see the proto.
     """
 
     transfer_id: str
@@ -39,8 +41,13 @@ class LayerGroupHeader:
     checksum: int | None = None
     final: bool = False
     aborted: bool = False
+    segments: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        if not isinstance(self.segments, tuple):
+            raise ValueError(f"segments must be a tuple, got {type(self.segments).__name__}")
+        for n in self.segments:
+            _check_int("segment", n, 1, _UINT32_MAX)
         _check_str("transfer_id", self.transfer_id)
         _check_int("layer_group", self.layer_group, 0, _UINT32_MAX)
         _check_int("num_bytes", self.num_bytes, 0, _UINT64_MAX)
@@ -59,7 +66,7 @@ class LayerGroupHeader:
     def to_proto(self) -> pb.LayerGroupHeader:
         msg = pb.LayerGroupHeader(transfer_id=self.transfer_id, layer_group=self.layer_group,
                                   num_bytes=self.num_bytes, final=self.final,
-                                  aborted=self.aborted)
+                                  aborted=self.aborted, segments=self.segments)
         if self.checksum is not None:
             msg.checksum = self.checksum
         return msg
@@ -69,7 +76,7 @@ class LayerGroupHeader:
         return _from_proto_checked(lambda m: cls(
             transfer_id=m.transfer_id, layer_group=m.layer_group, num_bytes=m.num_bytes,
             checksum=m.checksum if m.HasField("checksum") else None, final=m.final,
-            aborted=m.aborted), msg, "LayerGroupHeader")
+            aborted=m.aborted, segments=tuple(m.segments)), msg, "LayerGroupHeader")
 
     def to_bytes(self) -> bytes:
         return self.to_proto().SerializeToString(deterministic=True)

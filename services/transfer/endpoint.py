@@ -30,12 +30,14 @@ def open_channel(backend: str, world_size: int, rank: int, group_name: str,
 def make_sender(channel: KVChannel, engine: LLMEngine,
                 on_done: Callable[[SendReport], None]) -> KVSender:
     cache = engine.kv_cache
-    return KVSender(channel, cache.gather, cache.block_shape, cache.dtype, on_done)
+    return KVSender(channel, cache.gather, cache.block_shape, cache.dtype, on_done,
+                    cache.plane, cache.plane_block_bytes)
 
 
 def make_receiver(channel: KVChannel, engine: LLMEngine, peers: Sequence[int]) -> KVReceiver:
     cache = engine.kv_cache
-    return KVReceiver(channel, peers, cache.scatter, cache.block_shape, cache.dtype)
+    return KVReceiver(channel, peers, cache.scatter, cache.block_shape, cache.dtype,
+                      cache.plane, cache.plane_block_bytes)
 
 
 def _config_digest(model_path: str) -> str:

@@ -3,13 +3,15 @@
 One thread per prefill peer reads header, then payload, in the order that
 peer sent them; the header's transfer id and layer group say where the bytes
 go. Bytes for a transfer that is unknown or was aborted are drained into
-staging and dropped, so the stream stays aligned. A transfer's blocks are
-written only under its lock, so ``abort`` returning means no write is in
-flight and the blocks can be freed.
+staging and dropped, so the stream stays aligned. A zero-copy payload
+(``layout.py``) is received straight into the reserved blocks, run by run. A
+transfer's blocks are written only under its lock, so ``abort`` returning
+means no write is in flight and the blocks can be freed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -21,6 +23,7 @@ import torch
 from services.protocol.messages import TransferStatus
 from services.protocol.payload import HEADER_BYTES, decode_header
 from services.transfer.channel import KVChannel
+from services.transfer.layout import messages, runs_fit
 from services.transfer.staging import StagingBuffer, checksum
 
 log = logging.getLogger(__name__)
@@ -47,8 +50,11 @@ class KVReceiver:
 
     def __init__(self, channel: KVChannel, peers: Sequence[int],
                  scatter: Callable[[Sequence[int], range, torch.Tensor], None],
-                 block_shape: Callable[[int, range], tuple[int, ...]], dtype: torch.dtype) -> None:
+                 block_shape: Callable[[int, range], tuple[int, ...]], dtype: torch.dtype,
+                 plane: Callable[[int, int, int, int], torch.Tensor] | None = None,
+                 plane_block_bytes: int = 0) -> None:
         self.channel, self._scatter, self._block_shape, self.dtype = channel, scatter, block_shape, dtype
+        self._plane, self._plane_block_bytes = plane, plane_block_bytes
         self._pending: dict[str, PendingTransfer] = {}
         self._lock = threading.Lock()
         self.bytes_received = 0
@@ -108,9 +114,13 @@ class KVReceiver:
             try:
                 self.channel.recv(header_buf, peer)
                 header = decode_header(header_buf.cpu().numpy().tobytes())
+                if header.segments:
+                    self._receive_in_place(header, peer, staging)
+                    self.bytes_received += header.num_bytes
+                    continue
                 payload = staging.view(header.num_bytes)
                 self.channel.recv(payload, peer)
-            except Exception as e:  # the peer died or the group broke
+            except Exception as e:  # the peer died, the group broke, the stream is out of step
                 log.warning("KV receive from rank %d stopped: %s", peer, e)
                 self.dead_peers.add(peer)
                 with self._lock:
@@ -141,10 +151,49 @@ class KVReceiver:
             layers = pt.layer_groups[g]
             shape = self._block_shape(len(pt.block_ids), layers)
             self._scatter(pt.block_ids, layers, payload.view(self.dtype).view(shape))
-            pt.status = TransferStatus.TRANSFERRING
-            pt.received.add(g)
-            pt.num_bytes += header.num_bytes
-            if len(pt.received) == len(pt.layer_groups):
-                pt.status = TransferStatus.DONE
-                pt.seconds = time.perf_counter() - pt.started
+            self._group_received(pt, g, header.num_bytes)
+
+    def _receive_in_place(self, header, peer: int, staging: StagingBuffer) -> None:
+        """Receive a zero-copy payload into the reserved blocks, or drain it to staging."""
+        plan = messages(header.num_bytes, header.segments, self._plane_block_bytes)  # may raise
+        pt = self._pending.get(header.transfer_id)
+        with pt.lock if pt is not None else contextlib.nullcontext():
+            live = pt is not None and not pt.done.is_set()
+            error = self._in_place_error(pt, header, len(plan)) if live else None
+            first_layer = pt.layer_groups[header.layer_group].start if live and not error else 0
+            for layer, kv, start, n in plan:
+                if live and not error:
+                    buf = self._plane(first_layer + layer, kv, pt.block_ids[start], n)
+                else:
+                    buf = staging.view(n * self._plane_block_bytes)
+                self.channel.recv(buf, peer)
+            if not live:
+                return  # unknown, aborted or timed out: drained
+            if error:
+                pt.status, pt.error = TransferStatus.FAILED, error
                 pt.done.set()
+                return
+            self._group_received(pt, header.layer_group, header.num_bytes)
+
+    def _in_place_error(self, pt: PendingTransfer, header, num_messages: int) -> str | None:
+        g = header.layer_group
+        if not 0 <= g < len(pt.layer_groups) or g in pt.received:
+            return f"unexpected layer group {g}"
+        if self._plane is None:
+            return "zero-copy payload, but this receiver has no cache planes"
+        if not runs_fit(pt.block_ids, header.segments):
+            return f"runs {header.segments} do not fit the reserved blocks"
+        if num_messages != 2 * len(header.segments) * len(pt.layer_groups[g]):
+            return f"layer group {g}: {header.num_bytes} bytes do not match its layers"
+        return None
+
+    @staticmethod
+    def _group_received(pt: PendingTransfer, group: int, num_bytes: int) -> None:
+        """Record a written layer group (under ``pt.lock``); DONE after the last."""
+        pt.status = TransferStatus.TRANSFERRING
+        pt.received.add(group)
+        pt.num_bytes += num_bytes
+        if len(pt.received) == len(pt.layer_groups):
+            pt.status = TransferStatus.DONE
+            pt.seconds = time.perf_counter() - pt.started
+            pt.done.set()

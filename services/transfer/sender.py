@@ -1,8 +1,10 @@
 """Prefill side of the KV protocol: push each layer group of a request to its decode rank.
 
-Jobs run in order on one thread, so a layer group is gathered and sent while
-the engine computes the next layers. Each payload is preceded by a fixed-size
-header naming its transfer id and layer group.
+Jobs run in order on one thread, so a layer group is sent while the engine
+computes the next layers. Each payload is preceded by a fixed-size header
+naming its transfer id and layer group. Where the blocks form a few long runs
+on both sides (``layout.py``), the payload goes out of the cache in place, one
+message per (layer, K|V, run); otherwise it is gathered into one message.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 
 from services.protocol.payload import HEADER_BYTES, LayerGroupHeader, encode_header
 from services.transfer.channel import KVChannel
+from services.transfer.layout import messages, zero_copy_segments
 from services.transfer.staging import StagingBuffer, checksum
 
 log = logging.getLogger(__name__)
@@ -32,6 +35,7 @@ class SendJob:
     layer_group: int
     final: bool  # the request's last group: its blocks may be released after it
     with_checksum: bool = False
+    dst_block_ids: Sequence[int] = ()  # the decode side's blocks; () = always gather
 
 
 @dataclass
@@ -50,8 +54,11 @@ class KVSender:
     def __init__(self, channel: KVChannel,
                  gather: Callable[[Sequence[int], range, torch.Tensor], torch.Tensor],
                  block_shape: Callable[[int, range], tuple[int, ...]], dtype: torch.dtype,
-                 on_done: Callable[[SendReport], None]) -> None:
+                 on_done: Callable[[SendReport], None],
+                 plane: Callable[[int, int, int, int], torch.Tensor] | None = None,
+                 plane_block_bytes: int = 0) -> None:
         self.channel, self._gather, self._block_shape, self.dtype = channel, gather, block_shape, dtype
+        self._plane, self._plane_block_bytes = plane, plane_block_bytes
         self._on_done = on_done
         self._jobs: queue.SimpleQueue[SendJob | None] = queue.SimpleQueue()
         self._staging = StagingBuffer(channel.device)
@@ -101,6 +108,9 @@ class KVSender:
                 self._on_done(SendReport(tid, True, None, sent, time.perf_counter() - start))
 
     def _send(self, job: SendJob) -> int:
+        sent = self._send_in_place(job)
+        if sent is not None:
+            return sent
         shape = self._block_shape(len(job.src_block_ids), job.layers)
         data = self._gather(job.src_block_ids, job.layers, self._staging.typed(shape, self.dtype))
         payload = data.view(-1).view(torch.uint8)
@@ -108,8 +118,34 @@ class KVSender:
             transfer_id=job.transfer_id, layer_group=job.layer_group,
             num_bytes=payload.numel(), checksum=checksum(payload) if job.with_checksum else None,
             final=job.final)
-        self._header.copy_(torch.frombuffer(bytearray(encode_header(header)), dtype=torch.uint8))
-        self.channel.send(self._header, job.dst_rank)
+        self._send_header(encode_header(header), job.dst_rank)
         self.channel.send(payload, job.dst_rank)
         self.bytes_sent += payload.numel()
         return payload.numel()
+
+    def _send_in_place(self, job: SendJob) -> int | None:
+        """Zero-copy send of the group's runs; None when the job should be gathered."""
+        if self._plane is None or job.with_checksum or not job.dst_block_ids:
+            return None
+        segments = zero_copy_segments(job.src_block_ids, job.dst_block_ids,
+                                      self._plane_block_bytes)
+        if not segments:
+            return None
+        num_bytes = len(job.layers) * 2 * len(job.src_block_ids) * self._plane_block_bytes
+        try:
+            header = encode_header(LayerGroupHeader(
+                transfer_id=job.transfer_id, layer_group=job.layer_group, num_bytes=num_bytes,
+                final=job.final, segments=segments))
+        except ValueError:  # a transfer id too long to leave room for the runs
+            return None
+        self._send_header(header, job.dst_rank)
+        src = job.src_block_ids
+        for layer, kv, start, n in messages(num_bytes, segments, self._plane_block_bytes):
+            self.channel.send(self._plane(job.layers.start + layer, kv, src[start], n),
+                              job.dst_rank)
+        self.bytes_sent += num_bytes
+        return num_bytes
+
+    def _send_header(self, encoded: bytes, dst_rank: int) -> None:
+        self._header.copy_(torch.frombuffer(bytearray(encoded), dtype=torch.uint8))
+        self.channel.send(self._header, dst_rank)

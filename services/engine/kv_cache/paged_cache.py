@@ -35,6 +35,16 @@ class PagedKVCache:
         """Shape of ``gather(block_ids, layers)`` for ``num_blocks`` blocks."""
         return (len(layers), 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
+    @property
+    def plane_block_bytes(self) -> int:
+        """Bytes of one block in one (layer, K|V) plane."""
+        return self.block_size * self.num_kv_heads * self.head_dim * self.kv.element_size()
+
+    def plane(self, layer: int, kv: int, first_block: int, num_blocks: int) -> torch.Tensor:
+        """Blocks ``first_block ..+num_blocks`` of one (layer, K|V) plane as a uint8 view
+        of the cache itself (contiguous): zero-copy transfer sends and receives these."""
+        return self.kv[layer, kv, first_block:first_block + num_blocks].reshape(-1).view(torch.uint8)
+
     def gather(self, block_ids: Sequence[int], layers: range,
                out: torch.Tensor | None = None) -> torch.Tensor:
         """Copy blocks of a layer range into one contiguous ``[L, 2, n, bs, KVH, D]`` tensor."""

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btandem/v1/kv_transfer.proto\x12\ttandem.v1\"\xa2\x01\n\x17\x43ompatibilityDescriptor\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x16\n\x0elayout_version\x18\x07 \x01(\r\")\n\nLayerRange\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0c\n\x04stop\x18\x02 \x01(\r\"\xd0\x01\n\x14KVTransferDescriptor\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\x03\x12+\n\x0clayer_groups\x18\x04 \x03(\x0b\x32\x15.tandem.v1.LayerRange\x12\x10\n\x08src_rank\x18\x05 \x01(\x05\x12\x10\n\x08\x64st_rank\x18\x06 \x01(\x05\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\x08\x12\x19\n\x11num_prompt_tokens\x18\x08 \x01(\r\"\x93\x01\n\x10LayerGroupHeader\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x13\n\x0blayer_group\x18\x02 \x01(\r\x12\x11\n\tnum_bytes\x18\x03 \x01(\x04\x12\x15\n\x08\x63hecksum\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\r\n\x05\x66inal\x18\x05 \x01(\x08\x12\x0f\n\x07\x61\x62orted\x18\x06 \x01(\x08\x42\x0b\n\t_checksum\"\x92\x01\n\x0eTransferResult\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12)\n\x06status\x18\x02 \x01(\x0e\x32\x19.tandem.v1.TransferStatus\x12\x12\n\x05\x65rror\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x11\n\tnum_bytes\x18\x04 \x01(\x03\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\x42\x08\n\x06_error*\xe6\x01\n\x0eTransferStatus\x12\x1f\n\x1bTRANSFER_STATUS_UNSPECIFIED\x10\x00\x12!\n\x1dTRANSFER_STATUS_BOOTSTRAPPING\x10\x01\x12\x1b\n\x17TRANSFER_STATUS_WAITING\x10\x02\x12 \n\x1cTRANSFER_STATUS_TRANSFERRING\x10\x03\x12\x18\n\x14TRANSFER_STATUS_DONE\x10\x04\x12\x1a\n\x16TRANSFER_STATUS_FAILED\x10\x05\x12\x1b\n\x17TRANSFER_STATUS_ABORTED\x10\x06\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btandem/v1/kv_transfer.proto\x12\ttandem.v1\"\xa2\x01\n\x17\x43ompatibilityDescriptor\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x16\n\x0elayout_version\x18\x07 \x01(\r\")\n\nLayerRange\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0c\n\x04stop\x18\x02 \x01(\r\"\xd0\x01\n\x14KVTransferDescriptor\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\x03\x12+\n\x0clayer_groups\x18\x04 \x03(\x0b\x32\x15.tandem.v1.LayerRange\x12\x10\n\x08src_rank\x18\x05 \x01(\x05\x12\x10\n\x08\x64st_rank\x18\x06 \x01(\x05\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\x08\x12\x19\n\x11num_prompt_tokens\x18\x08 \x01(\r\"\xa5\x01\n\x10LayerGroupHeader\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x13\n\x0blayer_group\x18\x02 \x01(\r\x12\x11\n\tnum_bytes\x18\x03 \x01(\x04\x12\x15\n\x08\x63hecksum\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\r\n\x05\x66inal\x18\x05 \x01(\x08\x12\x0f\n\x07\x61\x62orted\x18\x06 \x01(\x08\x12\x10\n\x08segments\x18\x07 \x03(\rB\x0b\n\t_checksum\"\x92\x01\n\x0eTransferResult\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12)\n\x06status\x18\x02 \x01(\x0e\x32\x19.tandem.v1.TransferStatus\x12\x12\n\x05\x65rror\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x11\n\tnum_bytes\x18\x04 \x01(\x03\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\x42\x08\n\x06_error*\xe6\x01\n\x0eTransferStatus\x12\x1f\n\x1bTRANSFER_STATUS_UNSPECIFIED\x10\x00\x12!\n\x1dTRANSFER_STATUS_BOOTSTRAPPING\x10\x01\x12\x1b\n\x17TRANSFER_STATUS_WAITING\x10\x02\x12 \n\x1cTRANSFER_STATUS_TRANSFERRING\x10\x03\x12\x18\n\x14TRANSFER_STATUS_DONE\x10\x04\x12\x1a\n\x16TRANSFER_STATUS_FAILED\x10\x05\x12\x1b\n\x17TRANSFER_STATUS_ABORTED\x10\x06\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'services.protocol.gen.tandem.v1.kv_transfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRANSFERSTATUS']._serialized_start=761
-  _globals['_TRANSFERSTATUS']._serialized_end=991
+  _globals['_TRANSFERSTATUS']._serialized_start=779
+  _globals['_TRANSFERSTATUS']._serialized_end=1009
   _globals['_COMPATIBILITYDESCRIPTOR']._serialized_start=43
   _globals['_COMPATIBILITYDESCRIPTOR']._serialized_end=205
   _globals['_LAYERRANGE']._serialized_start=207
@@ -40,7 +40,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVTRANSFERDESCRIPTOR']._serialized_start=251
   _globals['_KVTRANSFERDESCRIPTOR']._serialized_end=459
   _globals['_LAYERGROUPHEADER']._serialized_start=462
-  _globals['_LAYERGROUPHEADER']._serialized_end=609
-  _globals['_TRANSFERRESULT']._serialized_start=612
-  _globals['_TRANSFERRESULT']._serialized_end=758
+  _globals['_LAYERGROUPHEADER']._serialized_end=627
+  _globals['_TRANSFERRESULT']._serialized_start=630
+  _globals['_TRANSFERRESULT']._serialized_end=776
 # @@protoc_insertion_point(module_scope)

@@ -71,20 +71,22 @@ class KVTransferDescriptor(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., layer_groups: _Optional[_Iterable[_Union[LayerRange, _Mapping]]] = ..., src_rank: _Optional[int] = ..., dst_rank: _Optional[int] = ..., checksum: _Optional[bool] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class LayerGroupHeader(_message.Message):
-    __slots__ = ("transfer_id", "layer_group", "num_bytes", "checksum", "final", "aborted")
+    __slots__ = ("transfer_id", "layer_group", "num_bytes", "checksum", "final", "aborted", "segments")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_GROUP_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
     ABORTED_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     layer_group: int
     num_bytes: int
     checksum: int
     final: bool
     aborted: bool
-    def __init__(self, transfer_id: _Optional[str] = ..., layer_group: _Optional[int] = ..., num_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., final: _Optional[bool] = ..., aborted: _Optional[bool] = ...) -> None: ...
+    segments: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, transfer_id: _Optional[str] = ..., layer_group: _Optional[int] = ..., num_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., final: _Optional[bool] = ..., aborted: _Optional[bool] = ..., segments: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TransferResult(_message.Message):
     __slots__ = ("transfer_id", "status", "error", "num_bytes", "seconds")
