@@ -97,7 +97,7 @@ class Cluster:
         resources = dict(cfg.prefill_resources if prefill else cfg.decode_resources)
         if resources:
             opts["resources"] = resources
-        args = (worker_id, self._engine) if prefill else (
+        args = (worker_id, self._engine, cfg.prefill_nice) if prefill else (
             worker_id, self._engine, cfg.transfer_timeout_s,
             "both" if cfg.mode == "colocated" else "decode")
         return ray.remote(cls).options(**opts).remote(*args)

@@ -28,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads-per-worker", type=int, default=1)
     p.add_argument("--cpus-per-worker", type=float, default=0.0)
+    p.add_argument("--prefill-nice", type=int, default=0, metavar="N",
+                   help="CPU hosts the pools share: run prefill workers at niceness N (0-19) so "
+                   "decode steps get the CPU first (0: off)")
     p.add_argument("--gpus-per-worker", type=float, default=0.0)
     p.add_argument("--prefill-accelerator-type", default=None)
     p.add_argument("--decode-accelerator-type", default=None)
@@ -71,6 +74,7 @@ def build_config(args: argparse.Namespace):
         mode=args.mode, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
         engine=engine, threads_per_worker=args.threads_per_worker,
         cpus_per_worker=args.cpus_per_worker, gpus_per_worker=args.gpus_per_worker,
+        prefill_nice=args.prefill_nice,
         prefill_accelerator_type=args.prefill_accelerator_type,
         decode_accelerator_type=args.decode_accelerator_type,
         prefill_resources=_resources(args.prefill_resource),

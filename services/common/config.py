@@ -101,12 +101,17 @@ class ClusterConfig:
     max_queued_requests: int = 256
     max_attempts: int = 3
     ray_address: str | None = None
+    # CPU hosts the pools share: prefill workers run at this niceness (0-19), so the
+    # decode steps that set TPOT get the CPU first and prefill takes what is left.
+    prefill_nice: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated", "conditional"):
             raise ValueError(f"mode must be disaggregated, colocated or conditional, got {self.mode!r}")
         if self.decode_workers < 1:
             raise ValueError(f"decode_workers must be >= 1, got {self.decode_workers}")
+        if not 0 <= self.prefill_nice <= 19:
+            raise ValueError(f"prefill_nice must be in [0, 19], got {self.prefill_nice}")
         if self.prefill_workers < (0 if self.mode == "colocated" else 1):
             raise ValueError(f"prefill_workers must be >= 1 in {self.mode} mode")
         if self.threads_per_worker < 1:

@@ -31,8 +31,9 @@ class RequestAbortedError(RuntimeError):
 class PrefillWorker(EngineWorker):
     """Wrap with ``ray.remote`` (async actor); one engine, one sender."""
 
-    def __init__(self, worker_id: str, config: EngineConfig) -> None:
-        super().__init__(worker_id, config, "prefill", on_layer_done=self._on_layer_done)
+    def __init__(self, worker_id: str, config: EngineConfig, niceness: int = 0) -> None:
+        super().__init__(worker_id, config, "prefill", on_layer_done=self._on_layer_done,
+                         niceness=niceness)
         self.sender = None
         self._descriptors: dict[str, KVTransferDescriptor] = {}
         self._by_transfer: dict[str, str] = {}  # transfer id -> request id

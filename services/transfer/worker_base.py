@@ -20,8 +20,11 @@ class EngineWorker:
     """Base of the worker actors: ``engine`` in ``role``, driven by ``loop``."""
 
     def __init__(self, worker_id: str, config: EngineConfig, role: str,
-                 on_layer_done: Callable[[int, list], None] | None = None) -> None:
+                 on_layer_done: Callable[[int, list], None] | None = None,
+                 niceness: int = 0) -> None:
         self.worker_id, self.role = worker_id, role
+        if niceness:  # before the engine's threads start: Linux niceness is per thread, inherited
+            os.nice(niceness)
         if config.num_threads is not None:  # Ray sets OMP_NUM_THREADS=1 in actors
             os.environ["OMP_NUM_THREADS"] = str(config.num_threads)
             torch.set_num_threads(config.num_threads)
