@@ -115,7 +115,9 @@ class Cluster:
             backend = "nccl" if self.config.engine.device.startswith("cuda") else "gloo"
         world, group = len(pre) + len(dec), f"tandem-kv-{uuid.uuid4().hex[:8]}"
         ranks = [w.rank for w in pre]
-        calls = [w.actor.join_transfer_group.remote(backend, world, w.rank, group) for w in pre]
+        in_place = self.config.kv_in_place_min_bytes
+        calls = [w.actor.join_transfer_group.remote(backend, world, w.rank, group,
+                                                    in_place_min_bytes=in_place) for w in pre]
         calls += [w.actor.join_transfer_group.remote(backend, world, w.rank, group, ranks)
                   for w in dec]
         ray.get(calls, timeout=timeout_s)

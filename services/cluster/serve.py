@@ -46,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local-prefill-threshold", type=int, default=64,
                    help="conditional mode: shorter prompts prefill on the decode worker")
     p.add_argument("--checksum", action="store_true", help="checksum every KV payload")
+    p.add_argument("--kv-in-place-min-bytes", type=int, default=256 * 1024, metavar="N",
+                   help="send KV block runs consecutive on both sides in place (no staging "
+                   "copies) when a run's layer plane averages at least N bytes; -1: never")
     p.add_argument("--max-queued-requests", type=int, default=256,
                    help="admission bound per worker; beyond it requests get 429")
     p.add_argument("--request-timeout", type=float, default=600.0)
@@ -75,6 +78,7 @@ def build_config(args: argparse.Namespace):
         engine=engine, threads_per_worker=args.threads_per_worker,
         cpus_per_worker=args.cpus_per_worker, gpus_per_worker=args.gpus_per_worker,
         prefill_nice=args.prefill_nice,
+        kv_in_place_min_bytes=None if args.kv_in_place_min_bytes < 0 else args.kv_in_place_min_bytes,
         prefill_accelerator_type=args.prefill_accelerator_type,
         decode_accelerator_type=args.decode_accelerator_type,
         prefill_resources=_resources(args.prefill_resource),

@@ -97,6 +97,9 @@ class ClusterConfig:
     layer_group_size: int | None = 2  # layers per streamed group; None = one group
     checksum: bool = False
     transfer_timeout_s: float = 30.0
+    # KV runs consecutive on both sides go in place (no staging copies) when their mean
+    # (layer, K|V) plane is at least this many bytes; None: always gather.
+    kv_in_place_min_bytes: int | None = 256 * 1024
     local_prefill_threshold: int = 64  # conditional mode: shorter prompts prefill on D
     max_queued_requests: int = 256
     max_attempts: int = 3
@@ -110,6 +113,9 @@ class ClusterConfig:
             raise ValueError(f"mode must be disaggregated, colocated or conditional, got {self.mode!r}")
         if self.decode_workers < 1:
             raise ValueError(f"decode_workers must be >= 1, got {self.decode_workers}")
+        if self.kv_in_place_min_bytes is not None and self.kv_in_place_min_bytes < 0:
+            raise ValueError(f"kv_in_place_min_bytes must be >= 0 or None, "
+                             f"got {self.kv_in_place_min_bytes}")
         if not 0 <= self.prefill_nice <= 19:
             raise ValueError(f"prefill_nice must be in [0, 19], got {self.prefill_nice}")
         if self.prefill_workers < (0 if self.mode == "colocated" else 1):

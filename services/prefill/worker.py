@@ -18,6 +18,7 @@ from services.engine.sequence import Sequence
 from services.protocol.messages import KVTransferDescriptor
 from services.protocol.request_path import PrefillRequest, PrefillResult, TokenLogprob
 from services.transfer.endpoint import make_sender, open_channel
+from services.transfer.layout import MIN_RUN_PLANE_BYTES
 from services.transfer.sender import SendJob, SendReport
 from services.transfer.worker_base import EngineWorker
 
@@ -41,10 +42,11 @@ class PrefillWorker(EngineWorker):
         self.kv_bytes_sent = 0
 
     def join_transfer_group(self, backend: str, world_size: int, rank: int, group_name: str,
-                            timeout_ms: int = 30_000) -> int:
+                            timeout_ms: int = 30_000,
+                            in_place_min_bytes: int | None = MIN_RUN_PLANE_BYTES) -> int:
         """Become ``rank`` of the transfer group (all workers call this together)."""
         channel = open_channel(backend, world_size, rank, group_name, timeout_ms)
-        self.sender = make_sender(channel, self.engine, self._on_sent)
+        self.sender = make_sender(channel, self.engine, self._on_sent, in_place_min_bytes)
         return rank
 
     def leave_transfer_group(self) -> None:
@@ -55,7 +57,10 @@ class PrefillWorker(EngineWorker):
             sender.close()
 
     def counters(self) -> dict:
-        return {"kv_bytes_sent": self.kv_bytes_sent}
+        sender = self.sender
+        return {"kv_bytes_sent": self.kv_bytes_sent,
+                "kv_groups_in_place": sender.groups_in_place if sender else 0,
+                "kv_groups_gathered": sender.groups_gathered if sender else 0}
 
     # -- requests ---------------------------------------------------------------
     async def prefill(self, req: PrefillRequest, timeout_s: float = 120.0) -> PrefillResult:

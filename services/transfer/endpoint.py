@@ -9,6 +9,7 @@ from pathlib import Path
 from services.engine.engine import LLMEngine
 from services.protocol.messages import CompatibilityDescriptor
 from services.transfer.channel import CollectiveChannel, KVChannel
+from services.transfer.layout import MIN_RUN_PLANE_BYTES
 from services.transfer.receiver import KVReceiver
 from services.transfer.sender import KVSender, SendReport
 
@@ -27,11 +28,11 @@ def open_channel(backend: str, world_size: int, rank: int, group_name: str,
     return CollectiveChannel(backend, world_size, rank, group_name, timeout_ms)
 
 
-def make_sender(channel: KVChannel, engine: LLMEngine,
-                on_done: Callable[[SendReport], None]) -> KVSender:
+def make_sender(channel: KVChannel, engine: LLMEngine, on_done: Callable[[SendReport], None],
+                min_run_plane_bytes: int | None = MIN_RUN_PLANE_BYTES) -> KVSender:
     cache = engine.kv_cache
     return KVSender(channel, cache.gather, cache.block_shape, cache.dtype, on_done,
-                    cache.plane, cache.plane_block_bytes)
+                    cache.plane, cache.plane_block_bytes, min_run_plane_bytes)
 
 
 def make_receiver(channel: KVChannel, engine: LLMEngine, peers: Sequence[int]) -> KVReceiver:

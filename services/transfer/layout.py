@@ -28,13 +28,14 @@ def common_runs(src: Sequence[int], dst: Sequence[int]) -> list[int]:
     return runs
 
 
-def zero_copy_segments(src: Sequence[int], dst: Sequence[int],
-                       plane_block_bytes: int) -> tuple[int, ...]:
-    """The runs to send in place, or ``()`` where one gathered payload is cheaper."""
+def zero_copy_segments(src: Sequence[int], dst: Sequence[int], plane_block_bytes: int,
+                       min_run_plane_bytes: int = MIN_RUN_PLANE_BYTES) -> tuple[int, ...]:
+    """The runs to send in place, or ``()`` where one gathered payload is cheaper
+    (runs whose mean plane is under ``min_run_plane_bytes``, or too many runs)."""
     runs = common_runs(src, dst)
     if not runs or len(runs) > MAX_SEGMENTS:
         return ()
-    if len(src) * plane_block_bytes < MIN_RUN_PLANE_BYTES * len(runs):
+    if len(src) * plane_block_bytes < min_run_plane_bytes * len(runs):
         return ()
     return tuple(runs)
 

@@ -20,7 +20,7 @@ import torch
 
 from services.protocol.payload import HEADER_BYTES, LayerGroupHeader, encode_header
 from services.transfer.channel import KVChannel
-from services.transfer.layout import messages, zero_copy_segments
+from services.transfer.layout import MIN_RUN_PLANE_BYTES, messages, zero_copy_segments
 from services.transfer.staging import StagingBuffer, checksum
 
 log = logging.getLogger(__name__)
@@ -56,9 +56,14 @@ class KVSender:
                  block_shape: Callable[[int, range], tuple[int, ...]], dtype: torch.dtype,
                  on_done: Callable[[SendReport], None],
                  plane: Callable[[int, int, int, int], torch.Tensor] | None = None,
-                 plane_block_bytes: int = 0) -> None:
+                 plane_block_bytes: int = 0,
+                 min_run_plane_bytes: int | None = MIN_RUN_PLANE_BYTES) -> None:
+        """``plane`` (the cache's zero-copy view) enables in-place sends of runs whose
+        mean plane reaches ``min_run_plane_bytes``; None turns them off."""
         self.channel, self._gather, self._block_shape, self.dtype = channel, gather, block_shape, dtype
         self._plane, self._plane_block_bytes = plane, plane_block_bytes
+        self._min_run = min_run_plane_bytes
+        self.groups_in_place = self.groups_gathered = 0
         self._on_done = on_done
         self._jobs: queue.SimpleQueue[SendJob | None] = queue.SimpleQueue()
         self._staging = StagingBuffer(channel.device)
@@ -121,14 +126,16 @@ class KVSender:
         self._send_header(encode_header(header), job.dst_rank)
         self.channel.send(payload, job.dst_rank)
         self.bytes_sent += payload.numel()
+        self.groups_gathered += 1
         return payload.numel()
 
     def _send_in_place(self, job: SendJob) -> int | None:
         """Zero-copy send of the group's runs; None when the job should be gathered."""
-        if self._plane is None or job.with_checksum or not job.dst_block_ids:
+        if self._plane is None or self._min_run is None or job.with_checksum \
+                or not job.dst_block_ids:
             return None
         segments = zero_copy_segments(job.src_block_ids, job.dst_block_ids,
-                                      self._plane_block_bytes)
+                                      self._plane_block_bytes, self._min_run)
         if not segments:
             return None
         num_bytes = len(job.layers) * 2 * len(job.src_block_ids) * self._plane_block_bytes
@@ -144,6 +151,7 @@ class KVSender:
             self.channel.send(self._plane(job.layers.start + layer, kv, src[start], n),
                               job.dst_rank)
         self.bytes_sent += num_bytes
+        self.groups_in_place += 1
         return num_bytes
 
     def _send_header(self, encoded: bytes, dst_rank: int) -> None:

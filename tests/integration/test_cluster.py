@@ -102,3 +102,26 @@ def test_outputs_match_offline_engine(ray_session, checkpoint, prompts, referenc
         assert cluster.router.pending_summary()["requests"] == 0
     finally:
         cluster.shutdown()
+
+
+def test_in_place_transfers_match_offline_engine(ray_session, checkpoint, prompts, reference):
+    """Every run sent from and received into the caches in place (threshold 0), twice:
+    the second wave reuses freed blocks."""
+    from services.cluster.cluster import Cluster
+
+    cluster = Cluster(_config(checkpoint, prefill_workers=1, decode_workers=1,
+                              kv_in_place_min_bytes=0)).start()
+    try:
+        for _ in range(2):
+            assert run_all(cluster, prompts) == reference
+        stats = wait_all_free(cluster)
+        for s in stats:
+            assert s["free_blocks"] == s["total_blocks"], f"{s['worker_id']} leaked blocks"
+        prefill = [s for s in stats if s["role"] == "prefill"]
+        assert sum(s["kv_groups_in_place"] for s in prefill) > 0
+        assert sum(s["kv_groups_gathered"] for s in prefill) == 0
+        sent = sum(s.get("kv_bytes_sent", 0) for s in stats)
+        assert sent == sum(s.get("kv_bytes_received", 0) for s in stats)
+        assert sent == 2 * sum(-(-n // 16) for n in LENGTHS) * block_bytes(checkpoint)
+    finally:
+        cluster.shutdown()

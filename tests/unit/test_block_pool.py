@@ -49,7 +49,7 @@ def test_freed_cached_block_is_revived_then_evicted_lru():
     pool.acquire(a)  # revived from the free queue
     assert pool.ref_count(a) == 1 and pool.num_free == 2
     pool.free([a])  # back at the LRU tail
-    assert pool.allocate(2) == [c, b]
+    assert pool.allocate(2) == sorted([c, b])  # the two least recently freed, ascending
     assert pool.lookup(b"A") == a, "still cached: not yet handed out"
     assert pool.allocate(1) == [a]
     assert pool.lookup(b"A") is None, "handed out again: hash evicted"
@@ -116,3 +116,15 @@ def test_token_slice_spans_prompt_and_output():
     for start in range(6):
         for end in range(start, 6):
             assert s.token_slice(start, end) == s.token_ids()[start:end]
+
+
+def test_blocks_freed_together_come_back_as_one_ascending_run():
+    pool = BlockPool(12)
+    first = pool.allocate(4)
+    second = pool.allocate(4)
+    pool.free(reversed(first))  # a sequence frees its tail first
+    pool.free(reversed(second))
+    pool.allocate(4)  # the untouched blocks 8..11 go first (least recently freed)
+    assert pool.allocate(4) == first
+    assert pool.allocate(4) == second
+    pool.check_invariants()

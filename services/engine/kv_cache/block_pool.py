@@ -41,7 +41,11 @@ class BlockPool:
         return self._ref_counts[block_id]
 
     def allocate(self, n: int) -> list[int]:
-        """Take ``n`` free blocks (least recently freed first), all or nothing."""
+        """Take ``n`` free blocks (least recently freed first), all or nothing.
+
+        Returned in ascending id order: blocks freed together come back as
+        consecutive runs, which KV transfer can send in place.
+        """
         if n > len(self._free):
             raise NoFreeBlocksError(f"asked for {n} blocks, {len(self._free)} free")
         out = []
@@ -50,6 +54,7 @@ class BlockPool:
             self._evict(block_id)
             self._ref_counts[block_id] = 1
             out.append(block_id)
+        out.sort()
         return out
 
     def free(self, block_ids: Iterable[int]) -> None:
