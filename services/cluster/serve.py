@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from services.common.config import KV_IN_PLACE_MIN_BYTES
+
 log = logging.getLogger(__name__)
 
 
@@ -46,7 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local-prefill-threshold", type=int, default=64,
                    help="conditional mode: shorter prompts prefill on the decode worker")
     p.add_argument("--checksum", action="store_true", help="checksum every KV payload")
-    p.add_argument("--kv-in-place-min-bytes", type=int, default=256 * 1024, metavar="N",
+    p.add_argument("--kv-in-place-min-bytes", type=int, default=KV_IN_PLACE_MIN_BYTES,
+                   metavar="N",
                    help="send KV block runs consecutive on both sides in place (no staging "
                    "copies) when a run's layer plane averages at least N bytes; -1: never")
     p.add_argument("--max-queued-requests", type=int, default=256,

@@ -72,6 +72,10 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
 
 
+# Below this mean plane per run, one gathered KV message beats many small in-place ones.
+KV_IN_PLACE_MIN_BYTES = 256 * 1024
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     """Pools, placement and transfer settings of one tandem cluster.
@@ -99,7 +103,7 @@ class ClusterConfig:
     transfer_timeout_s: float = 30.0
     # KV runs consecutive on both sides go in place (no staging copies) when their mean
     # (layer, K|V) plane is at least this many bytes; None: always gather.
-    kv_in_place_min_bytes: int | None = 256 * 1024
+    kv_in_place_min_bytes: int | None = KV_IN_PLACE_MIN_BYTES
     local_prefill_threshold: int = 64  # conditional mode: shorter prompts prefill on D
     max_queued_requests: int = 256
     max_attempts: int = 3

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from services.common.cache_dir import cache_dir
+
 if TYPE_CHECKING:
     import torch
 
@@ -308,5 +310,4 @@ def default_model_path(preset: str = "small") -> Path:
     The cache is ``$TANDEM_CACHE_DIR`` or ``~/.cache/tandem``.
     """
     get_preset(preset)
-    cache = Path(os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem")
-    return write_model(preset, cache / "models" / f"{preset}-seed0-{FORMAT_VERSION}", seed=0)
+    return write_model(preset, cache_dir() / "models" / f"{preset}-seed0-{FORMAT_VERSION}", seed=0)

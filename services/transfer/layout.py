@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from services.common.config import KV_IN_PLACE_MIN_BYTES as MIN_RUN_PLANE_BYTES
+
 MAX_SEGMENTS = 16  # runs per layer group (each run is 2 x layers messages)
-MIN_RUN_PLANE_BYTES = 256 * 1024  # a plane of a run smaller than this: gather instead
 
 
 def common_runs(src: Sequence[int], dst: Sequence[int]) -> list[int]:

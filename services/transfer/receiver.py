@@ -140,13 +140,12 @@ class KVReceiver:
             if pt.done.is_set():
                 return  # aborted or timed out: drained
             g = header.layer_group
-            if not 0 <= g < len(pt.layer_groups) or g in pt.received:
-                pt.status, pt.error = TransferStatus.FAILED, f"unexpected layer group {g}"
-                pt.done.set()
-                return
-            if header.checksum is not None and checksum(payload) != header.checksum:
-                pt.status, pt.error = TransferStatus.FAILED, f"checksum mismatch in group {g}"
-                pt.done.set()
+            error = self._group_error(pt, g)
+            if error is None and header.checksum is not None \
+                    and checksum(payload) != header.checksum:
+                error = f"checksum mismatch in group {g}"
+            if error is not None:
+                self._fail_locked(pt, error)
                 return
             layers = pt.layer_groups[g]
             shape = self._block_shape(len(pt.block_ids), layers)
@@ -170,15 +169,20 @@ class KVReceiver:
             if not live:
                 return  # unknown, aborted or timed out: drained
             if error:
-                pt.status, pt.error = TransferStatus.FAILED, error
-                pt.done.set()
+                self._fail_locked(pt, error)
                 return
             self._group_received(pt, header.layer_group, header.num_bytes)
 
-    def _in_place_error(self, pt: PendingTransfer, header, num_messages: int) -> str | None:
-        g = header.layer_group
+    @staticmethod
+    def _group_error(pt: PendingTransfer, g: int) -> str | None:
         if not 0 <= g < len(pt.layer_groups) or g in pt.received:
             return f"unexpected layer group {g}"
+        return None
+
+    def _in_place_error(self, pt: PendingTransfer, header, num_messages: int) -> str | None:
+        g = header.layer_group
+        if (error := self._group_error(pt, g)) is not None:
+            return error
         if self._plane is None:
             return "zero-copy payload, but this receiver has no cache planes"
         if not runs_fit(pt.block_ids, header.segments):
@@ -186,6 +190,13 @@ class KVReceiver:
         if num_messages != 2 * len(header.segments) * len(pt.layer_groups[g]):
             return f"layer group {g}: {header.num_bytes} bytes do not match its layers"
         return None
+
+    @staticmethod
+    def _fail_locked(pt: PendingTransfer, error: str) -> None:
+        """FAILED with ``error`` (caller holds ``pt.lock``; ``_finish`` takes it itself)."""
+        pt.status, pt.error = TransferStatus.FAILED, error
+        pt.seconds = time.perf_counter() - pt.started
+        pt.done.set()
 
     @staticmethod
     def _group_received(pt: PendingTransfer, group: int, num_bytes: int) -> None:

@@ -59,11 +59,8 @@ ENGINE_VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("variant", sorted(ENGINE_VARIANTS))
-def test_greedy_matches_transformers(checkpoint, variant):
-    path, reference = checkpoint
-    llm = LLM(str(path), **ENGINE_VARIANTS[variant])
-    outputs = llm.generate(_prompts(), GREEDY)
+def _assert_matches(outputs, reference) -> None:
+    """Tokens identical, chosen and top-3 logprobs within LOGPROB_ATOL of transformers."""
     for out, (ref_tokens, ref_rows) in zip(outputs, reference):
         comp = out.outputs[0]
         assert comp.token_ids == ref_tokens, f"prompt of {len(out.prompt_token_ids)} tokens"
@@ -72,6 +69,13 @@ def test_greedy_matches_transformers(checkpoint, variant):
             ref_top = row.topk(3)
             assert [t for t, _ in lp.top] == ref_top.indices.tolist()
             assert [v for _, v in lp.top] == pytest.approx(ref_top.values.tolist(), abs=LOGPROB_ATOL)
+
+
+@pytest.mark.parametrize("variant", sorted(ENGINE_VARIANTS))
+def test_greedy_matches_transformers(checkpoint, variant):
+    path, reference = checkpoint
+    llm = LLM(str(path), **ENGINE_VARIANTS[variant])
+    _assert_matches(llm.generate(_prompts(), GREEDY), reference)
     if variant == "preempting":
         assert llm.engine.scheduler.num_preemptions > 0, "the tiny pool should force preemption"
     assert llm.engine.block_pool.num_free == llm.engine.block_pool.num_blocks
@@ -97,8 +101,4 @@ def test_fast_paths_off_match_too(checkpoint, switches):
     """oneDNN and the native CPU kernels switched off (the portable torch path a GPU
     runs): the same tokens, the same logprobs."""
     path, reference = checkpoint
-    outputs = LLM(str(path), **switches).generate(_prompts(), GREEDY)
-    assert [o.outputs[0].token_ids for o in outputs] == [r[0] for r in reference]
-    for out, (_, ref_rows) in zip(outputs, reference):
-        for lp, row in zip(out.outputs[0].logprobs, ref_rows):
-            assert lp.logprob == pytest.approx(float(row[lp.token_id]), abs=LOGPROB_ATOL)
+    _assert_matches(LLM(str(path), **switches).generate(_prompts(), GREEDY), reference)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,6 +12,10 @@ from services.engine.model import cpu_kernels
 from services.engine.model.rope import RotaryEmbedding
 
 kernels = cpu_kernels.load()
+# CI sets REQUIRE_CPU_KERNELS=1: there a failed build fails here instead of skipping (the
+# engine would otherwise fall back to the torch path without a word in the test results).
+if os.environ.get("REQUIRE_CPU_KERNELS") == "1":
+    assert kernels is not None, "the native CPU kernels did not build (see the warning logged)"
 pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler on this machine")
 
 

@@ -55,7 +55,8 @@ def pair():
                       src.plane_block_bytes)
     receiver = KVReceiver(recv_ch, [0], dst.scatter, dst.block_shape, dst.dtype, dst.plane,
                           dst.plane_block_bytes)
-    return src, dst, sender, receiver, send_ch, reports
+    yield src, dst, sender, receiver, send_ch, reports
+    sender.close()
 
 
 def _transfer(sender, receiver, tid, src_blocks, dst_blocks, groups, in_place=True,

@@ -68,12 +68,11 @@ class TorchPagedAttention:
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
-        native = self.kernels is not None and q.device.type == "cpu" \
-            and q.dtype == torch.float32 and k_cache.dtype == torch.float32
+        native = self.kernels is not None  # installed only on a CPU fp32 model
         if not native and len(meta.groups) == 1 and meta.groups[0].valid_flat is None \
                 and meta.groups[0].token_index.shape[1] == 1:
             return self._group(q, k_cache, v_cache, meta.groups[0])[:, 0]  # pure decode step
-        out = torch.empty_like(q)
+        out = q.new_empty(q.shape)  # contiguous even where q is a strided view of qkv
         for g in meta.groups:
             if native and g.token_index.shape[1] == 1:
                 self.kernels.paged_decode(q, out, g.token_rows, k_cache, v_cache,

@@ -25,12 +25,15 @@ from pathlib import Path
 
 import torch
 
+from services.common.cache_dir import cache_dir
+
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("paged_decode.c", "fused_ops.c")
 _HEADERS = ("vexp.h",)
-_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-fPIC",
+          "-shared", "-std=c11"]
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
@@ -91,8 +94,9 @@ class CpuKernels:
                      positions: torch.Tensor, window: int | None, scale: float) -> None:
         """Attend one query per row over its paged keys, writing ``out[rows]``.
 
-        ``q [T, H, D]`` fp32 (rows may be strided), ``out [T, H, D]`` fp32; ``rows, positions [R]`` int64 (token row, query
-        position); ``k_cache, v_cache [blocks, block_size, KVH, D]`` fp32;
+        ``q [T, H, D]`` fp32 (rows may be strided), ``out [T, H, D]`` fp32;
+        ``rows, positions [R]`` int64 (token row, query position);
+        ``k_cache, v_cache [blocks, block_size, KVH, D]`` fp32;
         ``block_table [R, max_blocks]`` int64. Keys ``(pos - window, pos]`` when
         ``window`` is set, else ``[0, pos]``.
         """
@@ -103,8 +107,8 @@ class CpuKernels:
                 raise ValueError("paged_decode indices must be contiguous int64 CPU tensors")
         _, heads, head_dim = q.shape
         _, block_size, kv_heads, _ = k_cache.shape
-        rc = self._decode(q.data_ptr(), q.stride(0), out.data_ptr(), rows.data_ptr(), k_cache.data_ptr(),
-                          v_cache.data_ptr(), block_table.data_ptr(), block_table.shape[1],
+        rc = self._decode(q.data_ptr(), q.stride(0), out.data_ptr(), rows.data_ptr(),
+                          k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(), block_table.shape[1],
                           positions.data_ptr(), rows.shape[0], heads, kv_heads, head_dim,
                           block_size, window or 0, scale,
                           _head_splits(rows.shape[0], kv_heads))
@@ -134,11 +138,6 @@ def _head_splits(num_rows: int, kv_heads: int) -> int:
     return next(s for s in range(min(kv_heads, 4 * threads), 0, -1) if kv_heads % s == 0)
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem"
-    return Path(root) / "kernels"
-
-
 def _cpu_id() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -151,7 +150,7 @@ def _build(compiler: str) -> Path:
     digest = hashlib.sha256(" ".join([compiler, *_FLAGS, _cpu_id()]).encode())
     for name in _SOURCES + _HEADERS:
         digest.update((_CSRC / name).read_bytes())
-    target = _cache_dir() / f"tandem-kernels-{digest.hexdigest()[:16]}.so"
+    target = cache_dir() / "kernels" / f"tandem-kernels-{digest.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -93,8 +93,12 @@ class LlamaModel(nn.Module):
     def use_cpu_kernels(self) -> bool:
         """CPU fp32: decode attention and the elementwise steps through native kernels.
 
-        Returns False (the torch path stays) where they cannot be built.
+        Returns False (the torch path stays) off CPU fp32 or where they cannot be built;
+        once installed, the attention backend and layer ops use them unconditionally.
         """
+        weight = self.embed_tokens.weight
+        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+            return False
         kernels = cpu_kernels.load()
         if kernels is None:
             return False

@@ -73,7 +73,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
     model.init_rope(max_positions)
     if use_onednn and onednn.available(device, dtype):
         model.use_onednn()
-    if use_cpu_kernels and device.type == "cpu" and dtype == torch.float32:
+    if use_cpu_kernels:
         model.use_cpu_kernels()
     return model.eval()
 
