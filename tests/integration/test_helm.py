@@ -4,7 +4,7 @@ Helm: helm-python-sdk (Helm v4's Go SDK through a C ABI; no helm binary, no
 cluster). Every rendered manifest is validated:
 
 - built-in kinds with kubernetes-validate --strict against KUBE_VERSION;
-- the RayCluster against the KubeRay CRD in ../shared/schemas (its
+- the RayCluster against the KubeRay CRD in tests/schemas (its
   openAPIV3Schema, int-or-string and nullable mapped to JSON Schema, unknown
   fields rejected where the CRD lists the fields);
 - ServiceMonitor/PodMonitor against a structural schema here and, where
@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "tandem"
 CI_DIR = CHART / "ci"
 GRAFANA_DIR = ROOT / "deploy" / "grafana"
-RAYCLUSTER_CRD = ROOT.parent / "shared" / "schemas" / "kuberay-rayclusters-crd.yaml"
+RAYCLUSTER_CRD = ROOT / "tests" / "schemas" / "kuberay-rayclusters-crd.yaml"
 
 # The Kubernetes version manifests are validated against (and `helm lint --kube-version`).
 KUBE_VERSION = "1.33.0"
@@ -190,7 +190,7 @@ def crd_to_jsonschema(node: Any, strict: bool = True) -> Any:
 def raycluster_validator():
     import jsonschema
 
-    assert RAYCLUSTER_CRD.is_file(), f"the KubeRay CRD is missing: {RAYCLUSTER_CRD} (../shared/schemas)"
+    assert RAYCLUSTER_CRD.is_file(), f"the KubeRay CRD is missing: {RAYCLUSTER_CRD} (tests/schemas)"
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     crd = yaml.load(RAYCLUSTER_CRD.read_text(), Loader=loader)
     assert crd["spec"]["names"]["kind"] == "RayCluster"

@@ -1,6 +1,6 @@
 """DESIGN.md §6: the Grafana dashboards and the Prometheus rules are checked against the code.
 
-- every dashboard validates against ../shared/schemas/grafana-dashboard.schema.json (nulls
+- every dashboard validates against tests/schemas/grafana-dashboard.schema.json (nulls
   stripped, each panel checked as `Panel` or `RowPanel` by its type, rows' panels included);
 - every PromQL expression (dashboard targets and variable queries, rule `expr`s) names only
   metrics that services/common/metrics.py exports (rules may also name the series they record
@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 GRAFANA = ROOT / "deploy" / "grafana"
 DASHBOARD_DIR = GRAFANA / "dashboards"
 RULES_DIR = ROOT / "deploy" / "prometheus" / "rules"
-SCHEMA_PATH = ROOT.parent / "shared" / "schemas" / "grafana-dashboard.schema.json"
+SCHEMA_PATH = ROOT / "tests" / "schemas" / "grafana-dashboard.schema.json"
 EXPECTED_DASHBOARDS = ("tandem-overview.json", "tandem-pools.json", "tandem-transfer.json")
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 # Series Prometheus writes itself for every target: rules may use them, dashboards may not.
