@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
@@ -116,3 +117,10 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """The params of choice ``index`` of ``n``: one output each, choice i seeded seed + i."""
+        if self.n == 1:
+            return self
+        seed = None if self.seed is None else (self.seed + index) % 2**63
+        return dataclasses.replace(self, n=1, seed=seed)

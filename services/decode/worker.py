@@ -9,7 +9,6 @@ locally (conditional disaggregation, re-drive after a failure).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from collections.abc import AsyncIterator, Sequence
 
@@ -112,10 +111,9 @@ class DecodeWorker(EngineWorker):
                     yield self._delta(rid, [first], start, include_tokens=False)
                     return
             else:
-                start = len(req.output_token_ids)
-                params = _remaining(req.sampling_params, start)
-                prompt = list(req.prompt_token_ids) + list(req.output_token_ids)
-                await self._run(lambda e: e.add_request(rid, prompt, params))
+                start = len(req.output_token_ids)  # a re-drive continues the same output
+                await self._run(lambda e: e.add_request(rid, req.prompt_token_ids, req.sampling_params,
+                                                        output_token_ids=req.output_token_ids))
             index = start
             while not done:
                 outs = [await queue.get()]
@@ -172,11 +170,3 @@ class DecodeWorker(EngineWorker):
         self.loop.stop()
         self.leave_transfer_group()
 
-
-def _remaining(params: SamplingParams, produced: int) -> SamplingParams:
-    """The params for continuing after ``produced`` tokens already streamed."""
-    if produced == 0:
-        return params
-    max_tokens = None if params.max_tokens is None else params.max_tokens - produced
-    return dataclasses.replace(params, max_tokens=max_tokens,
-                               min_tokens=max(0, params.min_tokens - produced))

@@ -2,7 +2,9 @@
 
 ``add_request`` validates and queues; ``step`` schedules, runs one forward pass
 and returns an ``EngineOutput`` per sequence that produced a token or finished;
-``abort`` stops a request anywhere. Prefill- and decode-role engines also move
+``abort`` stops a request anywhere. The engine knows token ids only: it stops a
+sequence on EOS, a stop token id or its length limit; text, stop strings and
+what the user sees belong to ``services.text.output_processor``. Prefill- and decode-role engines also move
 KV in and out: ``export_kv`` / ``release`` on the prefill side, ``reserve`` /
 ``import_kv`` / ``commit_imported`` on the decode side.
 """
@@ -19,7 +21,6 @@ import torch
 from services.common.config import EngineConfig, EngineRole
 from services.common.metrics import WorkerMetrics
 from services.common.sampling_params import FinishReason, SamplingParams
-from services.text.detokenizer import IncrementalDetokenizer
 from services.engine.kv_cache.block_pool import BlockPool
 from services.engine.kv_cache.kv_manager import KVCacheManager, blocks_needed
 from services.engine.kv_cache.paged_cache import PagedKVCache
@@ -36,11 +37,10 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class EngineOutput:
-    """What one step did for one request: new tokens (and text), and whether it ended."""
+    """What one step did for one request: new tokens, and whether it ended."""
 
     request_id: str
     new_token_ids: list[int]
-    new_text: str
     finished: bool
     finish_reason: FinishReason | None
     num_prompt_tokens: int
@@ -52,8 +52,7 @@ class EngineOutput:
 class LLMEngine:
     """One model replica on one device, with its paged cache, scheduler and sampler."""
 
-    def __init__(self, config: EngineConfig, *, detokenize: bool = True,
-                 metrics: WorkerMetrics | None = None) -> None:
+    def __init__(self, config: EngineConfig, *, metrics: WorkerMetrics | None = None) -> None:
         from services.engine.default_model import default_model_path
 
         self.config = config
@@ -67,9 +66,9 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, mc, self.device)
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
-        self.tokenizer = Tokenizer.from_dir(self.model_path) if detokenize else None
-        eos = set(mc.eos_token_ids) | (set(self.tokenizer.eos_token_ids) if self.tokenizer else set())
-        self.eos_token_ids = tuple(sorted(eos))
+        self.tokenizer = Tokenizer.from_dir(self.model_path)
+        # One EOS set for every role: the checkpoint's and the tokenizer's.
+        self.eos_token_ids = tuple(sorted(set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         model = load_model(self.model_path, self.dtype, self.device, self.max_model_len,
                            use_onednn=config.onednn, use_cpu_kernels=config.cpu_kernels)
         cc = config.cache
@@ -81,7 +80,6 @@ class LLMEngine:
         self.block_pool = BlockPool(num_blocks, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, KVCacheManager(self.block_pool, cc.block_size))
         self.runner = ModelRunner(model, self.kv_cache, Sampler(config.seed), self.eos_token_ids)
-        self._detok: dict[str, IncrementalDetokenizer] = {}
         self._reserved: dict[str, Sequence] = {}  # decode role: blocks awaiting import
         self.num_steps = 0
         log.info("engine ready: %s %s on %s, %d KV blocks of %d tokens",
@@ -107,18 +105,29 @@ class LLMEngine:
                              f"{sc.max_num_batched_tokens} with chunked prefill off")
         if blocks_needed(n + 1, self.config.cache.block_size) > self.block_pool.num_blocks:
             raise ValueError(f"the prompt has {n} tokens, more than the KV cache holds")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need an engine with a tokenizer (detokenize=True)")
+        if params.top_k is not None and params.top_k > vocab:
+            raise ValueError(f"top_k must be at most the vocabulary size {vocab}, got {params.top_k}")
+        bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"stop token id {bad} is outside the vocabulary [0, {vocab})")
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int],
-                    params: SamplingParams, arrival_time: float | None = None) -> None:
-        """Validate and queue a request for prefill (local prefill in any role)."""
+                    params: SamplingParams, arrival_time: float | None = None,
+                    output_token_ids: Seq[int] = ()) -> None:
+        """Validate and queue a request for prefill (local prefill in any role).
+
+        ``output_token_ids``: tokens this request already generated elsewhere (a
+        re-drive): they are prefilled with the prompt, count towards ``max_tokens``
+        and the penalties, and generation continues at output index ``len(...)``.
+        """
         if self.scheduler.get(request_id) is not None or request_id in self._reserved:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.validate(prompt_token_ids, params)
+        done = list(output_token_ids)
+        self.validate(list(prompt_token_ids) + done, params)
+        if params.max_tokens is not None and len(done) >= params.max_tokens:
+            raise ValueError(f"{len(done)} tokens already generated, max_tokens is {params.max_tokens}")
         seq = Sequence(request_id, list(prompt_token_ids), params,
-                       arrival_time=arrival_time or time.monotonic())
-        self._start_detok(seq)
+                       arrival_time=arrival_time or time.monotonic(), output_token_ids=done)
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> EngineOutput | None:
@@ -130,9 +139,9 @@ class LLMEngine:
                 return None
             self.cancel_reserved(request_id)  # reserved for an import that will not come
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.ABORT
-            return self._output(seq, [], "", [])
+            return self._output(seq, [], [])
         self.scheduler.finish(seq, FinishReason.ABORT)
-        return self._output(seq, [], "", [])
+        return self._output(seq, [], [])
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
@@ -154,7 +163,7 @@ class LLMEngine:
         the sequences whose KV becomes complete in this step (layer-wise transfer).
         """
         sched: SchedulerOutput = self.scheduler.schedule()
-        outputs = [self._output(s, [], self._flush(s), []) for s in sched.finished]
+        outputs = [self._output(s, [], []) for s in sched.finished]
         if not sched.scheduled:
             return outputs
         hook = None
@@ -197,40 +206,22 @@ class LLMEngine:
             self.metrics.prefill_time.observe(time.monotonic() - seq.first_scheduled_time)
         seq.output_token_ids.append(token)
         lps = [sampled.logprob] if sampled.logprob is not None else []
-        reason, text, hit_stop = None, "", False
+        reason = None
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            reason = FinishReason.STOP  # the stop token's text is not part of the output
-        elif (detok := self._detok.get(seq.seq_id)) is not None:
-            text, hit_stop = detok.add(token)
-            reason = FinishReason.STOP if hit_stop else None
-        if reason is None and (len(seq.output_token_ids) >= (p.max_tokens or 1 << 62)
-                               or seq.num_tokens >= self.max_model_len):
+            reason = FinishReason.STOP
+        elif (len(seq.output_token_ids) >= (p.max_tokens or 1 << 62)
+              or seq.num_tokens >= self.max_model_len):
             reason = FinishReason.LENGTH
-        if reason is not None and not hit_stop:
-            text += self._flush(seq)  # release text held back for a possible stop string
         if self.scheduler.role == EngineRole.PREFILL:
             seq.finish_reason = reason  # the KV is held for export either way; release() frees it
             self.scheduler.hold_prefilled(seq)
         elif reason is not None:
             self.scheduler.finish(seq, reason)
-        return self._output(seq, [token], text, lps)
+        return self._output(seq, [token], lps)
 
-    def _start_detok(self, seq: Sequence) -> None:
-        if self.tokenizer is not None:
-            p = seq.params
-            self._detok[seq.seq_id] = IncrementalDetokenizer(
-                self.tokenizer, stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output,
-                skip_special_tokens=p.skip_special_tokens)
-
-    def _flush(self, seq: Sequence) -> str:
-        detok = self._detok.get(seq.seq_id)
-        return detok.flush() if detok is not None else ""
-
-    def _output(self, seq: Sequence, tokens: list[int], text: str,
-                lps: list[TokenLogprob]) -> EngineOutput:
-        if seq.is_finished:
-            self._detok.pop(seq.seq_id, None)
-        return EngineOutput(seq.seq_id, tokens, text, seq.is_finished, seq.finish_reason,
+    @staticmethod
+    def _output(seq: Sequence, tokens: list[int], lps: list[TokenLogprob]) -> EngineOutput:
+        return EngineOutput(seq.seq_id, tokens, seq.is_finished, seq.finish_reason,
                             seq.num_prompt_tokens, len(seq.output_token_ids),
                             seq.num_cached_tokens, lps)
 
@@ -252,7 +243,6 @@ class LLMEngine:
         seq = self.scheduler.prefilled.get(request_id)
         if seq is not None:
             self.scheduler.finish(seq, seq.finish_reason or FinishReason.STOP)
-            self._detok.pop(request_id, None)
 
     def reserve(self, request_id: str, prompt_token_ids: Seq[int],
                 params: SamplingParams) -> list[int] | None:
@@ -282,7 +272,6 @@ class LLMEngine:
         seq.imported = True
         seq.num_computed_tokens = seq.num_prompt_tokens
         self.scheduler.kv.cache_full_blocks(seq)
-        self._start_detok(seq)
         self.scheduler.seqs[seq.seq_id] = seq
         seq.status = SequenceStatus.RUNNING
         self.scheduler.running.append(seq)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -11,6 +10,7 @@ from services.common.config import CacheConfig, EngineConfig, SchedulerConfig
 from services.common.sampling_params import FinishReason, SamplingParams
 from services.engine.engine import LLMEngine
 from services.engine.sampler import TokenLogprob
+from services.text.output_processor import OutputProcessor
 
 Prompt = str | Seq[int]
 
@@ -96,34 +96,39 @@ class LLM:
     def _run(self, requests: list[tuple[str | None, list[int], SamplingParams]]
              ) -> list[RequestOutput]:
         results: list[RequestOutput] = []
-        where: dict[str, tuple[RequestOutput, CompletionOutput]] = {}
+        where: dict[str, tuple[RequestOutput, CompletionOutput, OutputProcessor]] = {}
         queue = []
         for prompt, ids, p in requests:
             req = RequestOutput(str(next(self._ids)), prompt, ids)
             results.append(req)
             for i in range(p.n):
-                sub = p if p.n == 1 else dataclasses.replace(
-                    p, n=1, seed=None if p.seed is None else (p.seed + i) % 2**63)
+                sub = p.for_choice(i)
                 rid = f"{req.request_id}-{i}"
                 comp = CompletionOutput(i, "", [], None, [] if p.logprobs is not None else None)
                 req.outputs.append(comp)
-                where[rid] = (req, comp)
+                where[rid] = (req, comp, OutputProcessor(self.tokenizer, sub))
                 queue.append((rid, ids, sub))
         try:
             for rid, ids, sub in queue:
                 self.engine.add_request(rid, ids, sub)
             while self.engine.has_unfinished():
                 for out in self.engine.step():
-                    req, comp = where[out.request_id]
-                    comp.token_ids.extend(out.new_token_ids)
-                    comp.text += out.new_text
+                    req, comp, proc = where[out.request_id]
+                    if proc.finished:
+                        continue  # ended by a stop string; its abort is already done
+                    delta = proc.process(out.new_token_ids, out.finish_reason if out.finished else None,
+                                         out.new_logprobs)
+                    comp.token_ids.extend(delta.token_ids)
+                    comp.text += delta.text
                     if comp.logprobs is not None:
-                        comp.logprobs.extend(out.new_logprobs)
-                    if out.finished:
-                        comp.finish_reason = out.finish_reason
+                        comp.logprobs.extend(delta.logprobs or ())
+                    if delta.finished:
+                        comp.finish_reason = delta.finish_reason
                         req.num_cached_tokens = out.num_cached_tokens
+                        if delta.stopped_by_text:
+                            self.engine.abort(out.request_id)
         finally:
-            for rid, (_, comp) in where.items():
+            for rid, (_, comp, _) in where.items():
                 if comp.finish_reason is None:
                     self.engine.abort(rid)  # interrupted: leave the engine clean
         return results

@@ -16,7 +16,7 @@ import torch
 from services.engine.kv_cache.paged_cache import PagedKVCache
 from services.engine.model.attention import AttentionGroup, AttentionMetadata
 from services.engine.model.llama import LlamaModel
-from services.engine.sampler import Sampler, SamplingBatch, TokenLogprob, make_generator
+from services.engine.sampler import Sampler, SamplingBatch, TokenLogprob
 from services.engine.scheduler import ScheduledSeq
 
 
@@ -84,12 +84,8 @@ class ModelRunner:
                      for s in seqs) and not any(banned)
         if simple:
             return [SampledToken(t, None) for t in logits.argmax(dim=-1).tolist()]
-        for s in seqs:
-            if s.params.seed is not None and s.generator is None:
-                s.generator = make_generator(s.params.seed, self.device)
         batch = SamplingBatch(
-            params=[s.params for s in seqs], generators=[s.generator for s in seqs],
-            prompt_token_ids=[s.prompt_token_ids for s in seqs],
+            params=[s.params for s in seqs], prompt_token_ids=[s.prompt_token_ids for s in seqs],
             output_token_ids=[s.output_token_ids for s in seqs], banned_token_ids=banned)
         out = self.sampler(logits, batch)
         return [SampledToken(t, lp) for t, lp in zip(out.token_ids, out.logprobs)]

@@ -4,8 +4,11 @@ Pipeline per row (vLLM / HF order): repetition penalty -> presence/frequency
 penalties -> banned ids -> temperature -> top-k -> top-p -> min-p -> sample.
 Greedy rows (``temperature == 0``) take the argmax of the penalised logits and
 consume no randomness. Random rows use the exponential race
-(``argmax(probs / Exp(1))``) so a seeded row draws its noise from its own
-generator only and gives the same tokens whatever else shares the batch.
+(``argmax(probs / Exp(1))``). A seeded row's noise for output token ``i`` is drawn
+from a generator keyed by ``(seed, i)`` alone (counter-based, see
+:func:`noise_key`): the draw depends on nothing else that shares the batch or on
+what ran before, so the same request gives the same tokens on one engine, across a
+prefill -> decode hand-off, after preemption and after a re-drive on another worker.
 Logprobs come from the raw logits (before penalties, temperature and masks).
 """
 
@@ -28,11 +31,9 @@ class SamplingBatch:
     """The rows of one step that sample a token."""
 
     params: list[SamplingParams]  # one per row
-    # Per row: a generator seeded from params.seed (owned by the sequence,
-    # advanced only by its own samples), or None for the sampler's shared one.
-    generators: list[torch.Generator | None]
     prompt_token_ids: list[Sequence[int]]  # per row (repetition penalty)
-    output_token_ids: list[Sequence[int]]  # per row, generated so far (penalties)
+    # Per row, generated so far: penalties, and the output index that keys seeded noise.
+    output_token_ids: list[Sequence[int]]
     # Per row, ids that must not be sampled this step (EOS/stop ids before min_tokens).
     banned_token_ids: list[Sequence[int]]
 
@@ -54,11 +55,31 @@ class SamplerOutput:
     logprobs: list[TokenLogprob | None]  # None where params.logprobs is None
 
 
-def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """A generator on ``device`` seeded with ``seed`` (one per seeded sequence)."""
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def noise_key(seed: int, index: int) -> int:
+    """The generator seed for output token ``index`` of a request seeded with ``seed``.
+
+    A stateless hash (SplitMix64 finaliser) of the pair, so the noise of each token
+    is a pure function of (seed, index): nothing has to travel between workers but
+    the seed and the number of tokens generated so far.
+    """
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ (index & _MASK64)) >> 1  # < 2**63
+
+
+def seeded_noise(seed: int, index: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """Exp(1) noise [V] for output token ``index`` of a request seeded with ``seed``."""
     g = torch.Generator(device=device)
-    g.manual_seed(seed)
-    return g
+    g.manual_seed(noise_key(seed, index))
+    return torch.empty(vocab, dtype=torch.float32, device=device).exponential_(generator=g)
 
 
 def _flat_index(seqs: Sequence[Sequence[int]], vocab_size: int,
@@ -178,7 +199,7 @@ class Sampler:
         if logits.dim() != 2:
             raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
         bsz, vocab = logits.shape
-        for name in ("params", "generators", "prompt_token_ids", "output_token_ids", "banned_token_ids"):
+        for name in ("params", "prompt_token_ids", "output_token_ids", "banned_token_ids"):
             if len(getattr(batch, name)) != bsz:
                 raise ValueError(
                     f"SamplingBatch.{name} has {len(getattr(batch, name))} rows, logits have {bsz}")
@@ -218,23 +239,25 @@ class Sampler:
         if top_k is not None or top_p is not None or min_p is not None:
             xr = apply_sampling_masks(xr, top_k, top_p, min_p)
         probs = torch.softmax(xr, dim=-1)  # [R, V]
-        noise = self._noise([batch.generators[i] for i in rows], vocab, dev)  # [R, V]
+        keys = [(p.seed, len(batch.output_token_ids[i])) if p.seed is not None else None
+                for i, p in zip(rows, ps)]
+        noise = self._noise(keys, vocab, dev)  # [R, V]
         return (probs / noise).argmax(dim=-1)  # [R]
 
-    def _noise(self, gens: list[torch.Generator | None], vocab: int, dev: torch.device) -> torch.Tensor:
-        """Exp(1) noise [R, V]: own generator per seeded row, shared one for the rest."""
-        q = torch.empty(len(gens), vocab, dtype=torch.float32, device=dev)  # [R, V]
-        shared = [j for j, g in enumerate(gens) if g is None]
-        if len(shared) == len(gens):
+    def _noise(self, keys: list[tuple[int, int] | None], vocab: int, dev: torch.device) -> torch.Tensor:
+        """Exp(1) noise [R, V]: keyed by (seed, output index) per seeded row, the shared
+        generator for the rest."""
+        q = torch.empty(len(keys), vocab, dtype=torch.float32, device=dev)  # [R, V]
+        shared = [j for j, k in enumerate(keys) if k is None]
+        if len(shared) == len(keys):
             q.exponential_(generator=self.shared_generator(dev))
         elif shared:
             idx = torch.tensor(shared, dtype=torch.long, device=dev)
             q[idx] = torch.empty(len(shared), vocab, device=dev).exponential_(
                 generator=self.shared_generator(dev))
-        for j, g in enumerate(gens):
-            if g is not None:
-                # Always a fresh [V] draw so the stream is independent of batch layout.
-                q[j] = torch.empty(vocab, device=g.device).exponential_(generator=g).to(dev)
+        for j, k in enumerate(keys):
+            if k is not None:
+                q[j] = seeded_noise(k[0], k[1], vocab, dev)
         return q.clamp_min_(torch.finfo(torch.float32).tiny)  # never divide by 0
 
     @staticmethod

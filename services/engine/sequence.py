@@ -5,7 +5,6 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from services.common.sampling_params import FinishReason, SamplingParams
 
@@ -41,7 +40,6 @@ class Sequence:
     finish_reason: FinishReason | None = None
     first_scheduled_time: float | None = None  # monotonic; queue time = this - arrival_time
     imported: bool = False  # KV arrived from a prefill worker (decode role)
-    generator: Any = None  # torch.Generator for seeded sampling (owned by the runner)
 
     @property
     def num_prompt_tokens(self) -> int:

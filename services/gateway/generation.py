@@ -1,8 +1,9 @@
 """One HTTP request's generation: its backend requests, detokenized, merged into one stream.
 
 Each choice runs in its own task that consumes ``Backend.generate`` under
-``contextlib.aclosing`` and detokenizes incrementally (stop strings included: a hit
-closes the backend iterator, which aborts the request). Events reach the HTTP side
+``contextlib.aclosing`` and turns its tokens into text with the output processor
+(``services.text.output_processor``; a stop-string hit closes the backend iterator,
+which aborts the request). Events reach the HTTP side
 through one queue, together with two sentinels: the request deadline (a timer) and the
 client's disconnect (a task that waits on the ASGI ``receive``). Closing a
 :class:`Generation` cancels whatever still runs, so every backend iterator is closed.
@@ -27,7 +28,7 @@ from services.gateway.backend import Backend
 from services.gateway.errors import APIError, from_backend_error
 from services.gateway.metrics import CLIENT_CLOSED, ChoiceClock
 from services.protocol.request_path import TokenDelta, TokenLogprob
-from services.text.detokenizer import IncrementalDetokenizer
+from services.text.output_processor import OutputProcessor
 from services.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -208,12 +209,9 @@ class Generation:
         self._queue.put_nowait(final)
 
     async def _drive(self, job: ChoiceJob, clock: ChoiceClock) -> ChoiceEvent:
-        p = job.params
-        detok = IncrementalDetokenizer(self._tok, stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output,
-                                       skip_special_tokens=p.skip_special_tokens)
-        stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self._tok.eos_token_ids)
+        proc = OutputProcessor(self._tok, job.params)
         received, first, final = 0, True, None
-        stream = self._backend.generate(f"{self.request_id}-{job.index}", list(job.prompt_token_ids), p)
+        stream = self._backend.generate(f"{self.request_id}-{job.index}", list(job.prompt_token_ids), job.params)
         async with contextlib.aclosing(stream):
             async for raw in stream:
                 if final is not None:
@@ -223,7 +221,7 @@ class Generation:
                     continue
                 received = delta.next_index
                 clock.tokens_out(len(delta.token_ids))
-                ev = self._consume(job.index, delta, detok, stop_ids)
+                ev = self._consume(job.index, delta, proc)
                 if ev.finish_reason is not None:
                     final = ev
                     if not delta.finished:
@@ -235,29 +233,15 @@ class Generation:
                         first = False
         if final is None:
             log.warning("backend stream of %s-%d ended without a finish reason", self.request_id, job.index)
-            final = ChoiceEvent(job.index, detok.flush(), (), None, FinishReason.STOP.value)
+            ev = proc.process((), FinishReason.STOP)
+            final = ChoiceEvent(job.index, ev.text, (), None, FinishReason.STOP.value)
         return final
 
     @staticmethod
-    def _consume(index: int, delta: TokenDelta, detok: IncrementalDetokenizer,
-                 stop_ids: frozenset[int]) -> ChoiceEvent:
-        tokens = delta.token_ids
-        # EOS / stop token ids end with the token in the delta; its text is not output
-        hidden = int(delta.finish_reason is FinishReason.STOP and bool(tokens) and tokens[-1] in stop_ids)
-        parts: list[str] = []
-        used, reason = len(tokens), None
-        for i in range(len(tokens) - hidden):
-            text, stopped = detok.add(tokens[i])
-            if text:
-                parts.append(text)
-            if stopped:
-                used, reason = i + 1, FinishReason.STOP.value
-                break
-        if reason is None and delta.finished:
-            if delta.finish_reason is FinishReason.ABORT:
-                raise APIError(503, "the request was aborted by the server", code="aborted",
-                               headers={"Retry-After": "1"})
-            parts.append(detok.flush())
-            reason = delta.finish_reason.value if delta.finish_reason is not None else FinishReason.STOP.value
-        lps = delta.logprobs[:used] if delta.logprobs is not None else None
-        return ChoiceEvent(index, "".join(parts), tokens[:used], lps, reason)
+    def _consume(index: int, delta: TokenDelta, proc: OutputProcessor) -> ChoiceEvent:
+        out = proc.process(delta.token_ids, delta.finish_reason, delta.logprobs)
+        if out.finish_reason is FinishReason.ABORT:
+            raise APIError(503, "the request was aborted by the server", code="aborted",
+                           headers={"Retry-After": "1"})
+        reason = out.finish_reason.value if out.finish_reason is not None else None
+        return ChoiceEvent(index, out.text, out.token_ids, out.logprobs, reason)

@@ -26,6 +26,8 @@ class IncrementalDetokenizer:
 
     Where several stop strings match, the one that completes first (earliest end) wins,
     as it would if text arrived one character at a time; ties go to the earliest start.
+    ``stop_after``: stop strings count only in the text of the tokens after the first
+    ``stop_after`` (``min_tokens``); earlier text is emitted as it comes.
     """
 
     def __init__(
@@ -35,6 +37,7 @@ class IncrementalDetokenizer:
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
         skip_special_tokens: bool = True,
+        stop_after: int = 0,
     ) -> None:
         if isinstance(stop, str):
             stop = [stop]
@@ -45,6 +48,8 @@ class IncrementalDetokenizer:
         self._stop = tuple(dict.fromkeys(stop))
         self._include_stop = include_stop_str_in_output
         self._skip_special = skip_special_tokens
+        self._stop_after = stop_after
+        self._num_added = 0
         self._byte_level = tokenizer.is_byte_level
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         # fallback path: decode a window of ids [prefix_offset:], emit past read_offset's text
@@ -82,6 +87,7 @@ class IncrementalDetokenizer:
             return "", True
         if self._flushed:
             raise RuntimeError("add() after flush()")
+        self._num_added += 1
         new = self._decode_byte_level(token_id) if self._byte_level else self._decode_window(token_id)
         return self._emit(new, final=False), self._stopped
 
@@ -128,7 +134,7 @@ class IncrementalDetokenizer:
         buf = self._pending + new
         if not buf:
             return ""
-        if not self._stop:
+        if not self._stop or self._num_added <= self._stop_after:
             self._out.append(buf)
             self._pending = ""
             return buf

@@ -31,7 +31,7 @@ class EngineWorker:
         cfg = dataclasses.replace(config, scheduler=dataclasses.replace(
             config.scheduler, role=EngineRole(role)))
         self.metrics, self._registry = worker_metrics(role, worker_id)
-        self.engine = LLMEngine(cfg, detokenize=False, metrics=self.metrics)
+        self.engine = LLMEngine(cfg, metrics=self.metrics)
         self.loop = EngineLoop(self.engine, on_layer_done=on_layer_done)
         self.transfer_failures = 0
 

@@ -13,17 +13,17 @@ from services.engine.sampler import (
     SamplingBatch,
     apply_penalties,
     apply_sampling_masks,
-    make_generator,
+    noise_key,
+    seeded_noise,
 )
 
 P = SamplingParams
 
 
-def batch(params, generators=None, prompts=None, outputs=None, banned=None) -> SamplingBatch:
+def batch(params, prompts=None, outputs=None, banned=None) -> SamplingBatch:
     n = len(params)
     return SamplingBatch(
         params=list(params),
-        generators=list(generators) if generators is not None else [None] * n,
         prompt_token_ids=list(prompts) if prompts is not None else [[] for _ in range(n)],
         output_token_ids=list(outputs) if outputs is not None else [[] for _ in range(n)],
         banned_token_ids=list(banned) if banned is not None else [[] for _ in range(n)],
@@ -52,11 +52,6 @@ def test_greedy_is_argmax_first_on_ties():
 def test_greedy_consumes_no_randomness():
     torch.manual_seed(0)
     logits = torch.randn(2, 64)
-    g = make_generator(5)
-    state = g.get_state().clone()
-    Sampler(seed=0)(logits, batch([P(temperature=0.0, seed=5), P(temperature=0.0)], [g, None]))
-    assert torch.equal(g.get_state(), state)
-
     # Shared generator: greedy steps interleaved must not shift the random stream.
     rand_b = batch([P(temperature=1.0)] * 2)
     greedy_b = batch([P(temperature=0.0)] * 2)
@@ -79,13 +74,17 @@ def _seeded_run(seed: int, position: int, others: list[tuple[SamplingParams, int
     rows = list(others)
     rows.insert(position, (P(temperature=1.0, seed=seed, top_p=0.95), seed))
     params = [p for p, _ in rows]
-    gens = [make_generator(s) if s is not None else None for _, s in rows]
-    got = []
+    got: list[int] = []
+    other_outputs = [[] for _ in rows]
     for _ in range(steps):
         step_logits = torch.randn(vocab, generator=logit_gen)  # [V] same for the seeded row
         logits = torch.randn(len(rows), vocab)  # [B, V] noise elsewhere
         logits[position] = step_logits
-        out = sampler(logits, batch(params, gens))
+        outputs = list(other_outputs)
+        outputs[position] = got
+        out = sampler(logits, batch(params, outputs=outputs))
+        for j, t in enumerate(out.token_ids):
+            other_outputs[j].append(t)
         got.append(out.token_ids[position])
     return got
 
@@ -106,8 +105,28 @@ def test_different_seeds_differ():
 def test_same_seed_rows_in_one_batch_agree():
     logits = torch.randn(1, 100).expand(3, -1).clone()
     params = [P(temperature=1.0, seed=11)] * 3
-    out = Sampler()(logits, batch(params, [make_generator(11) for _ in range(3)]))
+    out = Sampler()(logits, batch(params))
     assert len(set(out.token_ids)) == 1
+
+
+def test_seeded_draw_depends_only_on_seed_and_output_index():
+    """Counter-based noise: token i of a seeded request is the same whatever ran before
+    (another worker, a preemption, a re-drive), and differs between indices."""
+    torch.manual_seed(0)
+    logits = torch.randn(1, 1000)
+    p = P(temperature=1.0, seed=5)
+    history_a, history_b = [1, 2, 3], [9, 9, 9]  # same length, other tokens
+    a = Sampler(seed=1)(logits, batch([p], outputs=[history_a])).token_ids
+    b = Sampler(seed=2)(logits, batch([p], outputs=[history_b])).token_ids
+    assert a == b
+    draws = {Sampler()(logits, batch([p], outputs=[[0] * i])).token_ids[0] for i in range(30)}
+    assert len(draws) > 10  # a fresh draw per output index
+
+
+def test_noise_key_is_a_stable_hash():
+    assert noise_key(0, 0) != noise_key(0, 1) != noise_key(1, 0)
+    assert noise_key(2**63 - 1, 10**9) < 2**63
+    assert noise_key(123, 4) == noise_key(123, 4)
 
 
 # --- masks ------------------------------------------------------------------
@@ -191,9 +210,8 @@ def test_empirical_frequencies_match_softmax(temperature):
 def test_seeded_rows_follow_the_distribution_too():
     probs = torch.tensor([0.6, 0.3, 0.1])
     logits = probs.log()[None]
-    gen = make_generator(2024)
     s = Sampler()
-    toks = [s(logits, batch([P(seed=2024)], [gen])).token_ids[0] for _ in range(6000)]
+    toks = [s(logits, batch([P(seed=2024)], outputs=[range(i)])).token_ids[0] for i in range(6000)]
     freq = torch.bincount(torch.tensor(toks), minlength=3).float() / len(toks)
     assert torch.allclose(freq, probs, atol=0.02), freq
 
@@ -256,8 +274,7 @@ def test_logprobs_are_raw_log_softmax():
               P(temperature=0.7, top_k=3, logprobs=0),
               P(temperature=1.0),
               P(temperature=1.0, logprobs=2, seed=1)]
-    out = Sampler(seed=0)(logits, batch(params, [None, None, None, make_generator(1)],
-                                        outputs=[[int(logits[0].argmax())], [], [], []]))
+    out = Sampler(seed=0)(logits, batch(params, outputs=[[int(logits[0].argmax())], [], [], []]))
     ref = torch.log_softmax(logits, dim=-1)
     assert out.logprobs[2] is None
     for i, n in ((0, 5), (1, 0), (3, 2)):
@@ -283,10 +300,10 @@ def test_logprobs_probabilities_sum_to_one():
 
 # --- misc -------------------------------------------------------------------
 
-def test_make_generator_reproducible():
-    a = torch.empty(10).exponential_(generator=make_generator(7))
-    b = torch.empty(10).exponential_(generator=make_generator(7))
-    assert torch.equal(a, b)
+def test_seeded_noise_reproducible():
+    a = seeded_noise(7, 3, 10, torch.device("cpu"))
+    b = seeded_noise(7, 3, 10, torch.device("cpu"))
+    assert torch.equal(a, b) and not torch.equal(a, seeded_noise(7, 4, 10, torch.device("cpu")))
 
 
 def test_shared_seed_reproducible_and_half_precision_input():
@@ -296,7 +313,7 @@ def test_shared_seed_reproducible_and_half_precision_input():
 
 
 def test_mismatched_batch_raises():
-    with pytest.raises(ValueError, match="generators"):
-        Sampler()(torch.zeros(2, 4), SamplingBatch([P(), P()], [None], [[], []], [[], []], [[], []]))
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        Sampler()(torch.zeros(2, 4), SamplingBatch([P(), P()], [[]], [[], []], [[], []]))
     with pytest.raises(ValueError, match="batch, vocab"):
         Sampler()(torch.zeros(4), batch([P()]))
