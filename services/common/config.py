@@ -57,6 +57,48 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding in decode-capable engines (off when ``method`` is None).
+
+    ``ngram``: prompt lookup. The last ``ngram_max`` .. ``ngram_min`` tokens are
+    looked up earlier in the prompt and output, and the tokens that followed
+    are proposed; the target model verifies up to ``num_speculative_tokens`` of
+    them plus one token of its own in a single forward pass. With ``adaptive``,
+    each sequence drafts the k that maximises its expected tokens per unit of
+    step cost, from its running acceptance rate and ``verify_cost`` (the cost of
+    one more verified position relative to a whole decode step). Nothing is
+    drafted in a step with more than ``max_batch_size`` decoding sequences,
+    where verification costs more than it saves.
+    """
+
+    method: str | None = None  # None | "ngram"
+    num_speculative_tokens: int = 4
+    ngram_min: int = 2
+    ngram_max: int = 4
+    adaptive: bool = True
+    verify_cost: float = 0.15
+    max_batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        if self.method not in (None, "ngram"):
+            raise ValueError(f"speculative method must be 'ngram' or None, got {self.method!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(
+                f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, "
+                             f"{self.ngram_max}")
+        if self.verify_cost < 0:
+            raise ValueError(f"verify_cost must be >= 0, got {self.verify_cost}")
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine needs: which checkpoint, where, and how to batch it."""
 
@@ -70,6 +112,7 @@ class EngineConfig:
     cpu_kernels: bool = True  # CPU fp32: native decode attention (compiled on first use)
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
 
 # Below this mean plane per run, one gathered KV message beats many small in-place ones.

@@ -20,6 +20,7 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.
 TOKEN_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15,
                  0.25, 0.5, 1.0, 2.5, 5.0)
 WORKER_LABELS = ("role", "worker")
+ACCEPTANCE_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 
 
 @dataclass
@@ -69,6 +70,9 @@ class WorkerMetrics:
     waiting: Gauge
     kv_usage: Gauge
     free_blocks: Gauge
+    spec_proposed_tokens: Counter
+    spec_accepted_tokens: Counter
+    spec_acceptance_length: Histogram
 
 
 def worker_metrics(role: str, worker: str,
@@ -105,6 +109,16 @@ def worker_metrics(role: str, worker: str,
                             WORKER_LABELS, registry=r)),
         free_blocks=bind(Gauge(f"{PREFIX}kv_cache_free_blocks", "Free KV blocks",
                                WORKER_LABELS, registry=r)),
+        spec_proposed_tokens=bind(Counter(f"{PREFIX}spec_proposed_tokens",
+                                          "Speculative draft tokens sent to verification",
+                                          WORKER_LABELS, registry=r)),
+        spec_accepted_tokens=bind(Counter(f"{PREFIX}spec_accepted_tokens",
+                                          "Speculative draft tokens the target accepted",
+                                          WORKER_LABELS, registry=r)),
+        spec_acceptance_length=bind(Histogram(
+            f"{PREFIX}spec_acceptance_length",
+            "Draft tokens accepted per verified draft (the step commits one more)",
+            WORKER_LABELS, buckets=ACCEPTANCE_BUCKETS, registry=r)),
     )
     return m, r
 

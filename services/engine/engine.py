@@ -30,6 +30,7 @@ from services.engine.model_runner import ModelRunner, SampledToken
 from services.engine.sampler import Sampler, TokenLogprob
 from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.sequence import Sequence, SequenceStatus
+from services.engine.spec.speculator import Speculator
 from services.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,9 @@ class LLMEngine:
         self.block_pool = BlockPool(num_blocks, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, KVCacheManager(self.block_pool, cc.block_size))
         self.runner = ModelRunner(model, self.kv_cache, Sampler(config.seed), self.eos_token_ids)
+        spec = config.speculative
+        self.speculator = Speculator(spec) if spec.enabled and \
+            config.scheduler.role != EngineRole.PREFILL else None
         self._reserved: dict[str, Sequence] = {}  # decode role: blocks awaiting import
         self.num_steps = 0
         log.info("engine ready: %s %s on %s, %d KV blocks of %d tokens",
@@ -141,6 +145,8 @@ class LLMEngine:
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.ABORT
             return self._output(seq, [], [])
         self.scheduler.finish(seq, FinishReason.ABORT)
+        if self.speculator is not None:
+            self.speculator.drop(request_id)
         return self._output(seq, [], [])
 
     def has_unfinished(self) -> bool:
@@ -162,8 +168,13 @@ class LLMEngine:
         ``on_layer_done(i, completing)`` runs after layer ``i`` wrote its KV, with
         the sequences whose KV becomes complete in this step (layer-wise transfer).
         """
-        sched: SchedulerOutput = self.scheduler.schedule()
+        spec = self.speculator
+        drafts = spec.propose(self.scheduler.running, self.max_model_len) if spec else None
+        sched: SchedulerOutput = self.scheduler.schedule(drafts)
         outputs = [self._output(s, [], []) for s in sched.finished]
+        if spec is not None:
+            for s in sched.finished:
+                spec.drop(s.seq_id)
         if not sched.scheduled:
             return outputs
         hook = None
@@ -177,7 +188,7 @@ class LLMEngine:
         self.num_steps += 1
         for item, sampled in zip(sched.scheduled, results):
             if sampled is not None:
-                outputs.append(self._append_token(item.seq, sampled))
+                outputs.append(self._append_tokens(item.seq, sampled, item.draft_token_ids))
         return outputs
 
     def _observe_schedule(self, sched: SchedulerOutput) -> None:
@@ -200,24 +211,55 @@ class LLMEngine:
             m.free_blocks.set(pool.num_free)
 
     def _append_token(self, seq: Sequence, sampled: SampledToken) -> EngineOutput:
-        token, p = sampled.token_id, seq.params
+        return self._append_tokens(seq, [sampled], [])
+
+    def _append_tokens(self, seq: Sequence, sampled: list[SampledToken],
+                       draft: list[int]) -> EngineOutput:
+        """Commit a step's tokens (one, or accepted drafts + one) up to the first stop.
+
+        With a ``draft``, the KV of accepted draft tokens is kept and the rest
+        rolled back (``Scheduler.commit_draft``).
+        """
+        p = seq.params
         if not seq.output_token_ids and self.metrics is not None and not seq.imported \
                 and seq.first_scheduled_time is not None:
             self.metrics.prefill_time.observe(time.monotonic() - seq.first_scheduled_time)
-        seq.output_token_ids.append(token)
-        lps = [sampled.logprob] if sampled.logprob is not None else []
+        tokens: list[int] = []
+        lps: list[TokenLogprob] = []
         reason = None
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            reason = FinishReason.STOP
-        elif (len(seq.output_token_ids) >= (p.max_tokens or 1 << 62)
-              or seq.num_tokens >= self.max_model_len):
-            reason = FinishReason.LENGTH
+        for s in sampled:
+            token = s.token_id
+            seq.output_token_ids.append(token)
+            tokens.append(token)
+            if s.logprob is not None:
+                lps.append(s.logprob)
+            if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+                reason = FinishReason.STOP
+            elif (len(seq.output_token_ids) >= (p.max_tokens or 1 << 62)
+                  or seq.num_tokens >= self.max_model_len):
+                reason = FinishReason.LENGTH
+            if reason is not None:
+                break
+        if draft:
+            self._observe_draft(seq, len(draft), len(sampled) - 1)
         if self.scheduler.role == EngineRole.PREFILL:
             seq.finish_reason = reason  # the KV is held for export either way; release() frees it
             self.scheduler.hold_prefilled(seq)
         elif reason is not None:
             self.scheduler.finish(seq, reason)
-        return self._output(seq, [token], lps)
+            if self.speculator is not None:
+                self.speculator.drop(seq.seq_id)
+        elif draft:
+            self.scheduler.commit_draft(seq, len(tokens) - 1)
+        return self._output(seq, tokens, lps)
+
+    def _observe_draft(self, seq: Sequence, proposed: int, accepted: int) -> None:
+        self.speculator.observe(seq.seq_id, proposed, accepted)
+        if self.metrics is not None:
+            m = self.metrics
+            m.spec_proposed_tokens.inc(proposed)
+            m.spec_accepted_tokens.inc(accepted)
+            m.spec_acceptance_length.observe(accepted)
 
     @staticmethod
     def _output(seq: Sequence, tokens: list[int], lps: list[TokenLogprob]) -> EngineOutput:

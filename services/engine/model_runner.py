@@ -1,9 +1,12 @@
 """Turns a scheduled step into one batched forward pass and samples the rows that finish.
 
 All tokens of the step go through the model as one flat batch ``[T]``. For
-attention, decodes (one query each) form one group and prefill chunks another,
-each padded only to its own longest query. The LM head runs only on sampling
-rows: the last token of each finishing prefill chunk and every decode row.
+attention, decodes (one query each) form one group, speculating decodes (the
+decode token plus its draft, ``k + 1`` queries) another and prefill chunks a
+third, each padded only to its own longest query. The LM head runs only on
+sampling rows: the last token of each finishing prefill chunk, every decode row
+and every position of a speculating decode, which are verified against the
+draft (``spec/verifier.py``).
 """
 
 from __future__ import annotations
@@ -18,12 +21,23 @@ from services.engine.model.attention import AttentionGroup, AttentionMetadata
 from services.engine.model.llama import LlamaModel
 from services.engine.sampler import Sampler, SamplingBatch, TokenLogprob
 from services.engine.scheduler import ScheduledSeq
+from services.engine.sequence import Sequence as EngineSequence
+from services.engine.spec.verifier import DraftPrefix, accepted_length
 
 
 @dataclass
 class SampledToken:
     token_id: int
     logprob: TokenLogprob | None
+
+
+@dataclass
+class _Row:
+    """One sampling row: entry ``item`` of the step, at its output plus ``draft``."""
+
+    item: int
+    seq: EngineSequence
+    draft: Sequence[int]
 
 
 class ModelRunner:
@@ -41,58 +55,85 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq],
-                on_layer_done: Callable[[int], None] | None = None) -> list[SampledToken | None]:
-        """Run one step; returns, per entry of ``scheduled``, its sampled token or None."""
-        order = sorted(range(len(scheduled)), key=lambda i: scheduled[i].num_new_tokens > 1)
+                on_layer_done: Callable[[int], None] | None = None
+                ) -> list[list[SampledToken] | None]:
+        """Run one step; returns, per entry of ``scheduled``, the tokens it commits or None.
+
+        A plain sampling entry commits one token; a speculating one commits its
+        accepted draft tokens and then the target's own token (1 to k + 1).
+        """
+        # Attention groups: 0 decodes, 1 speculating decodes, 2 prefill chunks.
+        kind = [1 if it.draft_token_ids else 0 if it.num_new_tokens == 1 else 2
+                for it in scheduled]
+        order = sorted(range(len(scheduled)), key=kind.__getitem__)
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         sample_rows: list[int] = []
-        sample_items: list[int] = []
-        decodes, prefills = [], []
+        rows: list[_Row] = []
+        groups: tuple[list, list, list] = ([], [], [])
         for i in order:
             item = scheduled[i]
-            seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
-            (decodes if n == 1 else prefills).append((len(ids), start, n, seq.block_ids))
-            ids.extend(seq.token_slice(start, start + n))
+            seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_scheduled_tokens
+            groups[kind[i]].append((len(ids), start, n, seq.block_ids))
+            ids.extend(seq.token_slice(start, start + item.num_new_tokens))
+            ids.extend(item.draft_token_ids)
             positions.extend(range(start, start + n))
             bs, blocks = self.block_size, seq.block_ids
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
-            if item.samples:
+            if item.draft_token_ids:
+                first = len(ids) - n
+                for j in range(n):
+                    sample_rows.append(first + j)
+                    rows.append(_Row(i, seq, item.draft_token_ids[:j]))
+            elif item.samples:
                 sample_rows.append(len(ids) - 1)
-                sample_items.append(i)
+                rows.append(_Row(i, seq, ()))
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            groups=[g for g in (self._group(decodes), self._group(prefills)) if g is not None])
+            groups=[g for g in map(self._group, groups) if g is not None])
         hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
                             torch.tensor(positions, dtype=torch.long, device=dev),
                             self.kv_cache.kv, meta, on_layer_done)
-        results: list[SampledToken | None] = [None] * len(scheduled)
+        results: list[list[SampledToken] | None] = [None] * len(scheduled)
         if not sample_rows:
             return results
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
-        logits = self.model.compute_logits(hidden[rows])  # [R, V]
-        for i, tok in zip(sample_items, self._sample(logits, [scheduled[i] for i in sample_items])):
-            results[i] = tok
+        index = torch.tensor(sample_rows, dtype=torch.long, device=dev)
+        logits = self.model.compute_logits(hidden[index])  # [R, V]
+        for row, tok in zip(rows, self._sample(logits, rows)):
+            out = results[row.item]
+            if out is None:
+                results[row.item] = [tok]
+            else:
+                out.append(tok)
+        for i, item in enumerate(scheduled):
+            if item.draft_token_ids:
+                samples = results[i]
+                n = accepted_length([t.token_id for t in samples], item.draft_token_ids)
+                results[i] = samples[:n]
         return results
 
-    def _sample(self, logits: torch.Tensor, items: list[ScheduledSeq]) -> list[SampledToken]:
-        seqs = [it.seq for it in items]
-        banned = [self._banned(s) for s in seqs]
+    def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> list[SampledToken]:
+        """One token per row of ``logits`` [R, V], each row sampled as a plain decode
+        step would sample it after its sequence's output plus the row's draft prefix."""
+        seqs = [r.seq for r in rows]
+        outputs = [DraftPrefix(r.seq.output_token_ids, r.draft) if r.draft else
+                   r.seq.output_token_ids for r in rows]
+        banned = [self._banned(s, len(o)) for s, o in zip(seqs, outputs)]
         simple = all(s.params.greedy and s.params.logprobs is None and not s.params.uses_penalties
                      for s in seqs) and not any(banned)
         if simple:
             return [SampledToken(t, None) for t in logits.argmax(dim=-1).tolist()]
         batch = SamplingBatch(
             params=[s.params for s in seqs], prompt_token_ids=[s.prompt_token_ids for s in seqs],
-            output_token_ids=[s.output_token_ids for s in seqs], banned_token_ids=banned)
+            output_token_ids=outputs, banned_token_ids=banned)
         out = self.sampler(logits, batch)
         return [SampledToken(t, lp) for t, lp in zip(out.token_ids, out.logprobs)]
 
-    def _banned(self, seq) -> tuple[int, ...]:
+    def _banned(self, seq: EngineSequence, num_output: int) -> tuple[int, ...]:
         p = seq.params
-        if len(seq.output_token_ids) >= p.min_tokens:
+        if num_output >= p.min_tokens:
             return ()
         return p.stop_token_ids + (() if p.ignore_eos else self.eos_token_ids)
 

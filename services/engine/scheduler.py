@@ -11,11 +11,12 @@ cheap). A sequence that alone exceeds the whole cache finishes with ``length``.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping, Sequence as Seq
 from dataclasses import dataclass, field
 
 from services.common.config import EngineRole, SchedulerConfig
 from services.common.sampling_params import FinishReason
-from services.engine.kv_cache.kv_manager import KVCacheManager
+from services.engine.kv_cache.kv_manager import KVCacheManager, blocks_needed
 from services.engine.sequence import Sequence, SequenceStatus
 
 
@@ -25,6 +26,13 @@ class ScheduledSeq:
 
     seq: Sequence
     num_new_tokens: int
+    # Speculative tokens computed after the decode token (verified, then kept or rolled back).
+    draft_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Positions this step computes: the new tokens plus the draft."""
+        return self.num_new_tokens + len(self.draft_token_ids)
 
     @property
     def samples(self) -> bool:
@@ -40,7 +48,7 @@ class SchedulerOutput:
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(s.num_scheduled_tokens for s in self.scheduled)
 
 
 class Scheduler:
@@ -102,7 +110,13 @@ class Scheduler:
         self.prefilled[seq.seq_id] = seq
 
     # -- one step -------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: Mapping[str, Seq[int]] | None = None) -> SchedulerOutput:
+        """Pick this step's work; ``drafts`` by sequence id ride on decode tokens.
+
+        A draft is scheduled only while the budget and free blocks allow it
+        (it never preempts anything); otherwise its sequence decodes plainly.
+        """
+        drafts = drafts or {}
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         done: set[str] = set()
@@ -113,7 +127,12 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(seq.num_uncomputed_tokens, budget)
-            if self._allocate_or_preempt(seq, n, done, out):
+            draft = list(drafts.get(seq.seq_id, ()))[:budget - 1] if n == 1 else []
+            if draft and self.kv.allocate(seq, 1 + len(draft)):
+                out.scheduled.append(ScheduledSeq(seq, 1, draft))
+                done.add(seq.seq_id)
+                budget -= 1 + len(draft)
+            elif self._allocate_or_preempt(seq, n, done, out):
                 out.scheduled.append(ScheduledSeq(seq, n))
                 done.add(seq.seq_id)
                 budget -= n
@@ -172,6 +191,22 @@ class Scheduler:
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.kv.cache_full_blocks(item.seq)
+
+    def commit_draft(self, seq: Sequence, num_accepted: int) -> None:
+        """After verification: keep the KV of ``num_accepted`` draft tokens, roll back the rest.
+
+        Call once the accepted tokens (and the correction) are in the output:
+        the cursor moves past the accepted drafts, whose KV is already in place;
+        blocks past what the sequence now needs go back to the pool (they were
+        never published to the prefix cache).
+        """
+        seq.num_computed_tokens += num_accepted
+        assert seq.num_computed_tokens < seq.num_tokens, "the correction token is never computed"
+        keep = blocks_needed(seq.num_tokens, self.kv.block_size)
+        if len(seq.block_ids) > keep:
+            self.kv.pool.free(reversed(seq.block_ids[keep:]))
+            del seq.block_ids[keep:]
+        self.kv.cache_full_blocks(seq)
 
     @property
     def role(self) -> EngineRole:

@@ -1,0 +1,1 @@
+"""Speculative decoding: draft proposers, verification of drafts, the per-sequence k policy."""

@@ -1,0 +1,78 @@
+"""Draft proposers: guess the next tokens of a sequence cheaply, for the target to verify.
+
+A proposer returns a *deterministic* draft (a point mass per position), which is
+what verification by resampling (``verifier.py``) needs to stay exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+
+class Proposer(Protocol):
+    def propose(self, seq_id: str, token_ids: Sequence[int], k: int) -> list[int]:
+        """Up to ``k`` draft tokens to follow ``token_ids`` (prompt + output); may be empty."""
+        ...
+
+    def drop(self, seq_id: str) -> None:
+        """Forget a sequence's state (it finished or was aborted)."""
+        ...
+
+
+class _NgramIndex:
+    """Latest start of the continuation after each n-gram of one token stream.
+
+    ``last[n][gram] = i`` means ``tokens[i - n:i] == gram`` for the largest such
+    ``i`` seen, counting only grams that end before the stream's last token, so a
+    lookup of the stream's own suffix never finds itself.
+    """
+
+    def __init__(self, ns: range) -> None:
+        self.ns = ns
+        self.last: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in ns}
+        self.indexed = 0  # continuation starts < this are in the maps
+
+    def update(self, tokens: Sequence[int]) -> None:
+        end = len(tokens) - 1  # continuation starts up to the last token, exclusive of it
+        if end < self.indexed:  # the stream shrank: start over
+            self.last = {n: {} for n in self.ns}
+            self.indexed = 0
+        for i in range(self.indexed, end):
+            for n, table in self.last.items():
+                if i >= n:
+                    table[tuple(tokens[i - n:i])] = i
+        self.indexed = max(self.indexed, end)
+
+
+class NgramProposer:
+    """Prompt lookup: find the longest recent n-gram match of the suffix, copy what followed.
+
+    Tries ``ngram_max`` down to ``ngram_min``; the most recent earlier occurrence
+    wins. Per sequence, an incremental index makes each call cost O(new tokens).
+    """
+
+    def __init__(self, ngram_min: int = 2, ngram_max: int = 4) -> None:
+        if not 1 <= ngram_min <= ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {ngram_min}, {ngram_max}")
+        self.ns = range(ngram_max, ngram_min - 1, -1)
+        self._index: dict[str, _NgramIndex] = {}
+
+    def propose(self, seq_id: str, token_ids: Sequence[int], k: int) -> list[int]:
+        if k <= 0 or len(token_ids) < self.ns.stop + 2:
+            return []
+        index = self._index.get(seq_id)
+        if index is None:
+            index = self._index[seq_id] = _NgramIndex(self.ns)
+        index.update(token_ids)
+        total = len(token_ids)
+        for n in self.ns:
+            if n >= total:
+                continue
+            start = index.last[n].get(tuple(token_ids[total - n:]))
+            if start is not None:
+                return list(token_ids[start:min(start + k, total)])
+        return []
+
+    def drop(self, seq_id: str) -> None:
+        self._index.pop(seq_id, None)
