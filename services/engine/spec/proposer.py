@@ -12,7 +12,10 @@ from typing import Protocol
 
 class Proposer(Protocol):
     def propose(self, seq_id: str, token_ids: Sequence[int], k: int) -> list[int]:
-        """Up to ``k`` draft tokens to follow ``token_ids`` (prompt + output); may be empty."""
+        """Up to ``k`` draft tokens to follow ``token_ids`` (prompt + output); may be empty.
+
+        Between calls a sequence's tokens only grow (a shorter stream starts over).
+        """
         ...
 
     def drop(self, seq_id: str) -> None:
@@ -34,7 +37,7 @@ class _NgramIndex:
         self.indexed = 0  # continuation starts < this are in the maps
 
     def update(self, tokens: Sequence[int]) -> None:
-        end = len(tokens) - 1  # continuation starts up to the last token, exclusive of it
+        end = len(tokens)  # continuation starts < end: up to the last token
         if end < self.indexed:  # the stream shrank: start over
             self.last = {n: {} for n in self.ns}
             self.indexed = 0
@@ -45,10 +48,24 @@ class _NgramIndex:
         self.indexed = max(self.indexed, end)
 
 
+def _continuation(tokens: Sequence[int], start: int, k: int) -> list[int]:
+    """``k`` tokens from ``start``; past the end, the repeat that the match implies.
+
+    A match whose continuation reaches the end of the stream says the stream
+    repeats with period ``len(tokens) - start``, so the draft keeps copying its own
+    tokens (a loop of any length is drafted in full).
+    """
+    out = list(tokens[start:min(start + k, len(tokens))])
+    period = len(tokens) - start
+    while len(out) < k:
+        out.append(out[len(out) - period])
+    return out
+
+
 class NgramProposer:
     """Prompt lookup: find the longest recent n-gram match of the suffix, copy what followed.
 
-    Tries ``ngram_max`` down to ``ngram_min``; the most recent earlier occurrence
+    Always ``k`` tokens when a match is found (see ``_continuation``). Tries ``ngram_max`` down to ``ngram_min``; the most recent earlier occurrence
     wins. Per sequence, an incremental index makes each call cost O(new tokens).
     """
 
@@ -71,7 +88,7 @@ class NgramProposer:
                 continue
             start = index.last[n].get(tuple(token_ids[total - n:]))
             if start is not None:
-                return list(token_ids[start:min(start + k, total)])
+                return _continuation(token_ids, start, k)
         return []
 
     def drop(self, seq_id: str) -> None:
