@@ -80,14 +80,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from services.bench import compare, offline, stream, transfer
+    from services.bench import compare, offline, spec, stream, transfer
     from services.bench import serve as serve_bench
 
     for name, module, text in (("offline", offline, "engine throughput vs HF transformers"),
                                ("transfer", transfer, "KV transfer bandwidth and added TTFT"),
                                ("stream", stream, "per-token overhead and concurrent streams"),
                                ("serve", serve_bench, "TTFT/TPOT/goodput of a server under load"),
-                               ("compare", compare, "disaggregated vs colocated (vs another server)")):
+                               ("compare", compare, "disaggregated vs colocated (vs another server)"),
+                               ("spec", spec, "speculative decoding on and off, batch 1/4/16")):
         sp = bench_sub.add_parser(name, help=text)
         module.add_arguments(sp)
         sp.set_defaults(func=_bench)

@@ -44,6 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--speculative", default=None, choices=["ngram"],
+                   help="speculative decoding in the decode pool (ngram: prompt lookup)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
+                   help="most draft tokens verified per step")
     p.add_argument("--layer-group-size", type=int, default=2, help="layers per streamed KV group")
     p.add_argument("--local-prefill-threshold", type=int, default=64,
                    help="conditional mode: shorter prompts prefill on the decode worker")
@@ -69,13 +73,16 @@ def _resources(items: list[str]) -> tuple[tuple[str, float], ...]:
 
 
 def build_config(args: argparse.Namespace):
-    from services.common.config import CacheConfig, ClusterConfig, EngineConfig, SchedulerConfig
+    from services.common.config import (CacheConfig, ClusterConfig, EngineConfig,
+                                        SchedulerConfig, SpeculativeConfig)
 
     engine = EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         cache=CacheConfig(block_size=args.block_size, memory_gb=args.kv_cache_gb),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                  max_num_batched_tokens=args.max_num_batched_tokens))
+                                  max_num_batched_tokens=args.max_num_batched_tokens),
+        speculative=SpeculativeConfig(method=args.speculative,
+                                      num_speculative_tokens=args.num_speculative_tokens))
     return ClusterConfig(
         mode=args.mode, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
         engine=engine, threads_per_worker=args.threads_per_worker,

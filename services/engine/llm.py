@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from services.common.config import CacheConfig, EngineConfig, SchedulerConfig
+from services.common.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from services.common.sampling_params import FinishReason, SamplingParams
 from services.engine.engine import LLMEngine
 from services.engine.sampler import TokenLogprob
@@ -49,7 +49,14 @@ class LLM:
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  num_threads: int | None = None, onednn: bool = True,
-                 cpu_kernels: bool = True) -> None:
+                 cpu_kernels: bool = True,
+                 speculative: str | SpeculativeConfig | None = None,
+                 num_speculative_tokens: int = 4) -> None:
+        """``speculative="ngram"`` turns on prompt-lookup speculative decoding with up to
+        ``num_speculative_tokens`` draft tokens a step (a ``SpeculativeConfig`` sets
+        every knob); outputs stay what they are without it."""
+        spec = speculative if isinstance(speculative, SpeculativeConfig) else \
+            SpeculativeConfig(method=speculative, num_speculative_tokens=num_speculative_tokens)
         config = EngineConfig(
             model=model, dtype=dtype, device=device, seed=seed, max_model_len=max_model_len,
             num_threads=num_threads, onednn=onednn, cpu_kernels=cpu_kernels,
@@ -58,7 +65,8 @@ class LLM:
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
-                                      enable_chunked_prefill=enable_chunked_prefill))
+                                      enable_chunked_prefill=enable_chunked_prefill),
+            speculative=spec)
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()

@@ -1,0 +1,181 @@
+"""``tandem bench spec``: output tokens/s with and without speculative decoding.
+
+Two engines on the same checkpoint in one process, one with n-gram speculation
+and one without, run the same batches interleaved (off, on, on, off, ...) at
+each batch size, on two workloads:
+
+- ``edit``: "rewrite this text" prompts that quote a passage and start the
+  rewrite, so a model that copies its input is drafted well by prompt lookup;
+- ``chat``: short free-form chat prompts, where drafts come only from the
+  model's own repetitions;
+- ``oracle``: the edit prompts with drafts read from the plain run's output,
+  every one accepted: the ceiling speculation reaches at each batch size, i.e.
+  what verifying ``k + 1`` positions costs against the decode steps it saves
+  (where to switch speculation off: ``SpeculativeConfig.max_batch_size``).
+
+Greedy decoding, so the two engines must produce the same tokens (checked).
+Reports tokens/s, the speed-up, the acceptance rate (accepted / proposed draft
+tokens) and the mean tokens committed per verified draft. On random weights a
+model copies nothing: acceptance there comes from the loops greedy decoding of a
+random model falls into, and says little about a trained checkpoint (``--model``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+PASSAGES = [
+    "The committee met on Tuesday to review the budget for the coming year. Members agreed "
+    "that the library needs new shelves, that the park benches should be repainted, and that "
+    "the community hall roof must be repaired before the winter rains arrive.",
+    "To install the package, download the archive, unpack it into a folder of your choice, and "
+    "run the setup script from that folder. The script checks the dependencies, builds the "
+    "native extension, and copies the command line tool into your path.",
+    "Our quarterly results show revenue growth of twelve percent, driven by strong demand in "
+    "the northern region. Operating costs rose by four percent, mainly because of higher "
+    "shipping prices, and the margin improved for the third quarter in a row.",
+    "The river rises in the mountains, flows east through the valley towns, and reaches the sea "
+    "after three hundred kilometres. Its water feeds the farms along the banks, and its old "
+    "mills now house museums, cafes and a small school of traditional crafts.",
+]
+CHAT = [
+    "What should I cook for dinner tonight?", "Explain how a bicycle gear works.",
+    "Write a short poem about the sea.", "What are good habits for learning a language?",
+    "How do I fix a slow laptop?", "Tell me a fun fact about owls.",
+    "Give me three ideas for a weekend trip.", "Why is the sky blue?",
+]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="local HF folder (default: the bench preset)")
+    p.add_argument("--batch-sizes", default="1,4,16", help="comma-separated batch sizes")
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K")
+    p.add_argument("--no-adaptive", action="store_true", help="always draft K tokens")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved on/off repetitions")
+    p.add_argument("--workloads", default="edit,chat,oracle")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", default=None, help="also write the results to this file")
+
+
+def edit_prompt(passage: str) -> str:
+    """A rewrite request that quotes ``passage`` and starts its copy."""
+    first = passage.split(". ")[0]
+    return (f"Rewrite the following text with British spelling. Change nothing else.\n\n"
+            f"Text: {passage}\n\nRewritten text: {first}")
+
+
+def workload_prompts(name: str, tokenizer, n: int, seed: int) -> list[list[int]]:
+    """``n`` prompts (token ids) of workload ``edit`` or ``chat``."""
+    rng = random.Random(seed)
+    if name in ("edit", "oracle"):
+        texts = [edit_prompt(PASSAGES[i % len(PASSAGES)]) for i in range(n)]
+        return [tokenizer.encode(t) for t in texts]
+    if name == "chat":
+        out = []
+        for i in range(n):
+            msg = [{"role": "user", "content": CHAT[(i + rng.randrange(len(CHAT))) % len(CHAT)]}]
+            text = tokenizer.apply_chat_template(msg, add_generation_prompt=True)
+            out.append(tokenizer.encode(text, add_special_tokens=False))
+        return out
+    raise ValueError(f"unknown workload {name!r}: edit, chat or oracle")
+
+
+class ReplayProposer:
+    """Drafts the known continuation of each request (the ``oracle`` workload)."""
+
+    def __init__(self, outputs: dict[str, list[int]], prompt_lens: dict[str, int]) -> None:
+        self.outputs, self.prompt_lens = outputs, prompt_lens
+
+    def propose(self, seq_id: str, token_ids, k: int) -> list[int]:
+        done = len(token_ids) - self.prompt_lens[seq_id]
+        return self.outputs[seq_id][done:done + k]
+
+    def drop(self, seq_id: str) -> None:
+        pass
+
+
+def run_batch(engine, prompts: list[list[int]], output_len: int, tag: str) -> tuple[float, list]:
+    """Seconds to finish ``prompts`` together (greedy, exactly ``output_len`` tokens each)."""
+    from services.common.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    out: dict[str, list[int]] = {rid: [] for rid in ids}
+    t0 = time.perf_counter()
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, p, params)
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+    return time.perf_counter() - t0, [out[rid] for rid in ids]
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+
+    from services.bench.runinfo import describe
+    from services.common.config import EngineConfig, SchedulerConfig, SpeculativeConfig
+    from services.engine.default_model import default_model_path
+    from services.engine.engine import LLMEngine
+    from services.engine.spec.proposer import NgramProposer
+
+    torch.set_num_threads(args.threads)
+    path = str(args.model or default_model_path("bench"))
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    spec_cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=args.num_speculative_tokens,
+                                 adaptive=not args.no_adaptive, max_batch_size=max(sizes))
+    engines = {mode: LLMEngine(EngineConfig(
+        model=path, num_threads=args.threads, scheduler=SchedulerConfig(max_num_batched_tokens=4096),
+        speculative=spec_cfg if mode == "on" else SpeculativeConfig())) for mode in ("off", "on")}
+    tokenizer = engines["off"].tokenizer
+    info = describe()
+    result: dict = dict(model=path, output_len=args.output_len, threads=args.threads,
+                        k=args.num_speculative_tokens, adaptive=not args.no_adaptive,
+                        run=info, rows=[])
+    print(f"model {path}, {args.threads} threads, K={args.num_speculative_tokens}"
+          f"{'' if args.no_adaptive else ' (adaptive)'}, {args.output_len} tokens per request")
+    print(f"machine: {info['machine']['cpu']}, load {info['machine']['load_avg_at_start']}")
+    print(f"{'workload':8} {'batch':>5} {'off tok/s':>10} {'on tok/s':>10} {'speed-up':>8} "
+          f"{'accept':>7} {'tok/draft':>9} {'same':>5}")
+    for workload in args.workloads.split(","):
+        for bs in sizes:
+            prompts = workload_prompts(workload, tokenizer, bs, seed=bs)
+            run_batch(engines["off"], prompts[:1], 4, "warm-off")
+            run_batch(engines["on"], prompts[:1], 4, "warm-on")
+            spec = engines["on"].speculator
+            if workload == "oracle":
+                _, ref = run_batch(engines["off"], prompts, args.output_len, "ref")
+                spec.proposer = ReplayProposer(
+                    {f"on{r}-{i}": ref[i] for r in range(args.rounds) for i in range(bs)},
+                    {f"on{r}-{i}": len(p) for r in range(args.rounds) for i, p in enumerate(prompts)})
+            secs = {"off": 0.0, "on": 0.0}
+            tokens: dict[str, list] = {}
+            p0, a0, d0 = spec.num_proposed, spec.num_accepted, spec.num_drafts
+            for r in range(args.rounds):
+                for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
+                    s, toks = run_batch(engines[mode], prompts, args.output_len, f"{mode}{r}")
+                    secs[mode] += s
+                    tokens[mode] = toks
+            if workload == "oracle":
+                spec.proposer = NgramProposer(spec_cfg.ngram_min, spec_cfg.ngram_max)
+            proposed, accepted = spec.num_proposed - p0, spec.num_accepted - a0
+            drafts = spec.num_drafts - d0
+            total = args.rounds * bs * args.output_len
+            row = dict(workload=workload, batch=bs, off_tok_s=total / secs["off"],
+                       on_tok_s=total / secs["on"], proposed=proposed, accepted=accepted,
+                       acceptance=accepted / proposed if proposed else 0.0,
+                       tokens_per_draft=(accepted + drafts) / drafts if drafts else 0.0,
+                       identical=tokens["off"] == tokens["on"])
+            row["speedup"] = row["on_tok_s"] / row["off_tok_s"]
+            result["rows"].append(row)
+            print(f"{workload:8} {bs:5d} {row['off_tok_s']:10.1f} {row['on_tok_s']:10.1f} "
+                  f"{row['speedup']:7.2f}x {row['acceptance']:7.2f} {row['tokens_per_draft']:9.2f} "
+                  f"{'yes' if row['identical'] else 'NO':>5}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0 if all(r["identical"] for r in result["rows"]) else 1
