@@ -404,6 +404,18 @@ def pools() -> dict:
                        [(f"sum by (role, worker) (rate(tandem_preemptions_total{{{SEL}}}[{RI}]))",
                          per_worker)], unit="ops",
                        description="Sequences preempted for recompute (KV cache pressure)."),
+            timeseries("Speculative decoding per worker", [
+                (f"sum by (role, worker) (rate(tandem_spec_accepted_tokens_total{{{SEL}}}[{RI}])) / "
+                 f"sum by (role, worker) (rate(tandem_spec_proposed_tokens_total{{{SEL}}}[{RI}]))",
+                 "acceptance rate " + per_worker),
+                (f"sum by (role, worker) (rate(tandem_spec_acceptance_length_sum{{{SEL}}}[{RI}])) / "
+                 f"sum by (role, worker) (rate(tandem_spec_acceptance_length_count{{{SEL}}}[{RI}]))",
+                 "accepted per draft " + per_worker),
+            ], min_=0,
+                description="Speculative decoding (tandem serve --speculative): share of draft "
+                            "tokens the target accepted, and draft tokens accepted per verified "
+                            "draft (each verification also commits one token of the target's "
+                            "own). Empty when speculation is off."),
         ]),
         row("Pool latency", [
             timeseries("Queue time by role",
