@@ -13,6 +13,7 @@ import pytest
 
 from services.common.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from services.common.sampling_params import SamplingParams
+from services.engine import LLM
 from services.engine.engine import LLMEngine
 from tests.hf_models import VOCAB, write_hf_checkpoint
 
@@ -133,15 +134,15 @@ def test_stop_tokens_and_max_tokens_cut_a_draft(checkpoint):
 
 
 def test_ngram_proposer_on_a_repetitive_prompt(checkpoint):
-    """Prompt lookup finds the repeated text; the output still equals the plain one."""
+    """``LLM(speculative="ngram")``: prompt lookup drafts from the repeated text; the
+    output still equals the plain one."""
     rng = random.Random(9)
     unit = [rng.randrange(2, VOCAB) for _ in range(12)]
     prompts = [unit * 6, (unit[3:] + unit[:3]) * 5]
-    # Copying the text is what the model must find likely: greedy output of a random
-    # model continues the loop only sometimes, so compare without assuming it.
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    plain = _run(_engine(checkpoint, False), prompts, params)
-    eng = _engine(checkpoint, True, adaptive=True)
-    spec = _run(eng, prompts, params)
-    assert {k: v[0] for k, v in spec.items()} == {k: v[0] for k, v in plain.items()}
-    assert eng.speculator.num_proposed > 0
+    plain = LLM(str(checkpoint)).generate(prompts, params)
+    llm = LLM(str(checkpoint), speculative="ngram", num_speculative_tokens=3)
+    spec = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    assert llm.engine.speculator.num_proposed > 0
+    assert llm.engine.speculator.config.num_speculative_tokens == 3

@@ -1,0 +1,37 @@
+"""Where users turn speculation on and watch it: config, CLI flags, metric names, bench workloads."""
+
+from __future__ import annotations
+
+from services.cluster.cli import build_parser
+from services.cluster.serve import build_config
+from services.common.metrics import exported_names, worker_metrics
+
+
+def test_serve_flags_build_a_speculative_engine_config():
+    args = build_parser().parse_args(["serve", "--speculative", "ngram",
+                                      "--num-speculative-tokens", "3"])
+    spec = build_config(args).engine.speculative
+    assert spec.enabled and spec.method == "ngram" and spec.num_speculative_tokens == 3
+    assert not build_config(build_parser().parse_args(["serve"])).engine.speculative.enabled
+
+
+def test_bench_spec_is_registered():
+    args = build_parser().parse_args(["bench", "spec", "--batch-sizes", "1,2"])
+    assert args.bench == "spec" and args.batch_sizes == "1,2"
+
+
+def test_speculation_metrics_are_exported():
+    names = exported_names()
+    assert {"tandem_spec_proposed_tokens_total", "tandem_spec_accepted_tokens_total",
+            "tandem_spec_acceptance_length_bucket"} <= names
+    m, registry = worker_metrics("decode", "d0")
+    m.spec_acceptance_length.observe(3)
+    assert registry.get_sample_value("tandem_spec_acceptance_length_bucket",
+                                     {"role": "decode", "worker": "d0", "le": "3.0"}) == 1
+
+
+def test_edit_workload_quotes_the_passage_and_starts_the_copy():
+    from services.bench.spec import PASSAGES, edit_prompt
+
+    text = edit_prompt(PASSAGES[0])
+    assert PASSAGES[0] in text and text.endswith(PASSAGES[0].split(". ")[0])
