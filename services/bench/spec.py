@@ -13,6 +13,11 @@ each batch size, on two workloads:
   what verifying ``k + 1`` positions costs against the decode steps it saves
   (where to switch speculation off: ``SpeculativeConfig.max_batch_size``).
 
+Then the step costs behind the policy: the median time of a decode step at each
+batch size against a step that also verifies ``K`` draft tokens per sequence,
+the per-position ``verify_cost`` that implies, and the acceptance rate at which
+speculation breaks even there (above it, speculation wins).
+
 Greedy decoding, so the two engines must produce the same tokens (checked).
 Reports tokens/s, the speed-up, the acceptance rate (accepted / proposed draft
 tokens) and the mean tokens committed per verified draft. On random weights a
@@ -58,6 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=2, help="interleaved on/off repetitions")
     p.add_argument("--workloads", default="edit,chat,oracle")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--cost-steps", type=int, default=30,
+                   help="decode steps timed per batch size for the step costs (0: skip)")
     p.add_argument("--json", default=None, help="also write the results to this file")
 
 
@@ -96,6 +103,55 @@ class ReplayProposer:
 
     def drop(self, seq_id: str) -> None:
         pass
+
+
+class FixedProposer:
+    """Drafts ``k`` copies of one token: the cost of verifying, whatever is accepted."""
+
+    def propose(self, seq_id: str, token_ids, k: int) -> list[int]:
+        return [token_ids[-1]] * k
+
+    def drop(self, seq_id: str) -> None:
+        pass
+
+
+def break_even_rate(ratio: float, k: int) -> float:
+    """Acceptance rate ``a`` with ``1 + a + ... + a^k == ratio`` (bisection; 1.0 if never)."""
+    lo, hi = 0.0, 1.0
+    if k + 1 <= ratio:
+        return 1.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        if sum(mid ** i for i in range(k + 1)) < ratio:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def step_costs(plain, spec, prompts: list[list[int]], steps: int) -> tuple[float, float]:
+    """Median seconds of a plain decode step and of a verifying one, interleaved."""
+    import statistics
+
+    from services.common.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    times: dict[int, list[float]] = {0: [], 1: []}
+    engines = (plain, spec)
+    for j, eng in enumerate(engines):
+        for i, p in enumerate(prompts):
+            eng.add_request(f"cost{j}-{i}", p, params)
+        while any(s.num_uncomputed_tokens > 1 for s in eng.scheduler.running) or eng.num_waiting:
+            eng.step()
+    for _ in range(steps):
+        for j, eng in enumerate(engines):
+            t0 = time.perf_counter()
+            eng.step()
+            times[j].append(time.perf_counter() - t0)
+    for j, eng in enumerate(engines):
+        for i in range(len(prompts)):
+            eng.abort(f"cost{j}-{i}")
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def run_batch(engine, prompts: list[list[int]], output_len: int, tag: str) -> tuple[float, list]:
@@ -141,7 +197,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"machine: {info['machine']['cpu']}, load {info['machine']['load_avg_at_start']}")
     print(f"{'workload':8} {'batch':>5} {'off tok/s':>10} {'on tok/s':>10} {'speed-up':>8} "
           f"{'accept':>7} {'tok/draft':>9} {'same':>5}")
-    for workload in args.workloads.split(","):
+    for workload in [w for w in args.workloads.split(",") if w]:
         for bs in sizes:
             prompts = workload_prompts(workload, tokenizer, bs, seed=bs)
             run_batch(engines["off"], prompts[:1], 4, "warm-off")
@@ -175,6 +231,28 @@ def main(args: argparse.Namespace) -> int:
             print(f"{workload:8} {bs:5d} {row['off_tok_s']:10.1f} {row['on_tok_s']:10.1f} "
                   f"{row['speedup']:7.2f}x {row['acceptance']:7.2f} {row['tokens_per_draft']:9.2f} "
                   f"{'yes' if row['identical'] else 'NO':>5}")
+    if args.cost_steps > 0:
+        k = args.num_speculative_tokens
+        fixed = LLMEngine(EngineConfig(
+            model=path, num_threads=args.threads,
+            scheduler=SchedulerConfig(max_num_batched_tokens=4096),
+            speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=k,
+                                          adaptive=False, max_batch_size=max(sizes))))
+        fixed.speculator.proposer = FixedProposer()
+        result["step_costs"] = []
+        print(f"\nstep costs: median of {args.cost_steps} interleaved decode steps, "
+              f"plain vs verifying K={k} drafts per sequence")
+        print(f"{'batch':>5} {'plain ms':>9} {'verify ms':>9} {'ratio':>6} {'verify_cost':>11} "
+              f"{'break-even acceptance':>22}")
+        for bs in sizes:
+            prompts = workload_prompts("chat", tokenizer, bs, seed=bs)
+            t_plain, t_spec = step_costs(engines["off"], fixed, prompts, args.cost_steps)
+            ratio = t_spec / t_plain
+            row = dict(batch=bs, plain_ms=1e3 * t_plain, verify_ms=1e3 * t_spec, ratio=ratio,
+                       verify_cost=(ratio - 1) / k, break_even_acceptance=break_even_rate(ratio, k))
+            result["step_costs"].append(row)
+            print(f"{bs:5d} {row['plain_ms']:9.2f} {row['verify_ms']:9.2f} {ratio:6.2f} "
+                  f"{row['verify_cost']:11.3f} {row['break_even_acceptance']:22.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
