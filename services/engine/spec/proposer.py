@@ -65,8 +65,9 @@ def _continuation(tokens: Sequence[int], start: int, k: int) -> list[int]:
 class NgramProposer:
     """Prompt lookup: find the longest recent n-gram match of the suffix, copy what followed.
 
-    Always ``k`` tokens when a match is found (see ``_continuation``). Tries ``ngram_max`` down to ``ngram_min``; the most recent earlier occurrence
-    wins. Per sequence, an incremental index makes each call cost O(new tokens).
+    Tries ``ngram_max`` down to ``ngram_min``; the most recent earlier occurrence
+    wins, and a match always yields ``k`` tokens (see ``_continuation``). Per
+    sequence, an incremental index makes each call cost O(new tokens).
     """
 
     def __init__(self, ngram_min: int = 2, ngram_max: int = 4) -> None:
