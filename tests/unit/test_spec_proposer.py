@@ -115,6 +115,9 @@ def test_speculator_adapts_k_and_probes_again():
     for _ in range(20):
         spec.observe("s", 4, 0)
     assert spec.draft_length("s") == 0
+    spec.observe("s", 4, 1)  # some success again
+    ks = [spec.draft_length("s", batch) for batch in (1, 4, 8, 16, 32)]
+    assert ks == sorted(ks, reverse=True) and ks[0] > ks[-1], "a larger batch drafts less"
     seq = _decoding(0)
     seq.seq_id = "s"
     for _ in range(100):  # not drafting: the rate drifts back until it probes again
@@ -122,7 +125,7 @@ def test_speculator_adapts_k_and_probes_again():
             break
     else:
         pytest.fail("a sequence that stopped drafting never drafts again")
-    assert (spec.num_proposed, spec.num_accepted, spec.num_drafts) == (160, 80, 40)
+    assert (spec.num_proposed, spec.num_accepted, spec.num_drafts) == (164, 81, 41)
     spec.drop("s")
     assert spec.draft_length("s") == best_k(0.5, 4, 0.15)
 
