@@ -44,8 +44,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--speculative", default=None, choices=["ngram"],
-                   help="speculative decoding in the decode pool (ngram: prompt lookup)")
+    p.add_argument("--speculative", default=None, choices=["ngram", "draft"],
+                   help="speculative decoding in the decode pool (ngram: prompt lookup; "
+                        "draft: --speculative-draft-model drafts)")
+    p.add_argument("--speculative-draft-model", default=None, metavar="PATH",
+                   help="local HF folder of a small model with the target's vocabulary")
     p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
                    help="most draft tokens verified per step")
     p.add_argument("--layer-group-size", type=int, default=2, help="layers per streamed KV group")
@@ -82,7 +85,8 @@ def build_config(args: argparse.Namespace):
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens),
         speculative=SpeculativeConfig(method=args.speculative,
-                                      num_speculative_tokens=args.num_speculative_tokens))
+                                      num_speculative_tokens=args.num_speculative_tokens,
+                                      draft_model=args.speculative_draft_model))
     return ClusterConfig(
         mode=args.mode, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
         engine=engine, threads_per_worker=args.threads_per_worker,

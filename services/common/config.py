@@ -62,7 +62,9 @@ class SpeculativeConfig:
 
     ``ngram``: prompt lookup. The last ``ngram_max`` .. ``ngram_min`` tokens are
     looked up earlier in the prompt and output, and the tokens that followed
-    are proposed; the target model verifies up to ``num_speculative_tokens`` of
+    are proposed. ``draft``: the checkpoint at ``draft_model`` (same vocabulary,
+    smaller) drafts greedily, with its own KV cache on the target's block
+    tables. Either way the target model verifies up to ``num_speculative_tokens`` of
     them plus one token of its own in a single forward pass. With ``adaptive``,
     each sequence drafts the k that maximises its expected tokens per unit of
     step cost, from its running acceptance rate and ``verify_cost`` (the cost of
@@ -71,7 +73,7 @@ class SpeculativeConfig:
     where verification costs more than it saves.
     """
 
-    method: str | None = None  # None | "ngram"
+    method: str | None = None  # None | "ngram" | "draft"
     num_speculative_tokens: int = 4
     ngram_min: int = 2
     ngram_max: int = 4
@@ -81,10 +83,14 @@ class SpeculativeConfig:
     # and 2.7x at 16, where speculation only pays above ~70% acceptance.
     verify_cost: float = 0.15
     max_batch_size: int = 8
+    draft_model: str | None = None  # local HF folder (method "draft")
 
     def __post_init__(self) -> None:
-        if self.method not in (None, "ngram"):
-            raise ValueError(f"speculative method must be 'ngram' or None, got {self.method!r}")
+        if self.method not in (None, "ngram", "draft"):
+            raise ValueError(f"speculative method must be 'ngram', 'draft' or None, "
+                             f"got {self.method!r}")
+        if (self.method == "draft") != (self.draft_model is not None):
+            raise ValueError("a draft_model is needed with method 'draft', and only then")
         if self.num_speculative_tokens < 1:
             raise ValueError(
                 f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")

@@ -51,12 +51,14 @@ class LLM:
                  num_threads: int | None = None, onednn: bool = True,
                  cpu_kernels: bool = True,
                  speculative: str | SpeculativeConfig | None = None,
-                 num_speculative_tokens: int = 4) -> None:
-        """``speculative="ngram"`` turns on prompt-lookup speculative decoding with up to
+                 num_speculative_tokens: int = 4, draft_model: str | None = None) -> None:
+        """``speculative="ngram"`` (prompt lookup) or ``"draft"`` (the checkpoint at
+        ``draft_model`` drafts) turns on speculative decoding with up to
         ``num_speculative_tokens`` draft tokens a step (a ``SpeculativeConfig`` sets
         every knob); outputs stay what they are without it."""
         spec = speculative if isinstance(speculative, SpeculativeConfig) else \
-            SpeculativeConfig(method=speculative, num_speculative_tokens=num_speculative_tokens)
+            SpeculativeConfig(method=speculative, num_speculative_tokens=num_speculative_tokens,
+                              draft_model=draft_model)
         config = EngineConfig(
             model=model, dtype=dtype, device=device, seed=seed, max_model_len=max_model_len,
             num_threads=num_threads, onednn=onednn, cpu_kernels=cpu_kernels,

@@ -146,3 +146,60 @@ def test_ngram_proposer_on_a_repetitive_prompt(checkpoint):
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
     assert llm.engine.speculator.num_proposed > 0
     assert llm.engine.speculator.config.num_speculative_tokens == 3
+
+
+# -- the draft-model proposer ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def other_checkpoint(tmp_path_factory, tiny_model_dir):
+    """Another random model of the same vocabulary: a draft that is mostly wrong."""
+    return write_hf_checkpoint("qwen2", tmp_path_factory.mktemp("draft") / "ckpt", tiny_model_dir,
+                               seed=1)
+
+
+def _draft_engine(path, draft, **kw) -> LLMEngine:
+    cache = CacheConfig(block_size=4, num_blocks=kw.pop("num_blocks", 256))
+    return LLMEngine(EngineConfig(
+        model=str(path), cache=cache, scheduler=SchedulerConfig(**kw),
+        speculative=SpeculativeConfig(method="draft", draft_model=str(draft), adaptive=False,
+                                      num_speculative_tokens=K, max_batch_size=64)))
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_draft_model_outputs_identical(checkpoint, other_checkpoint, variant):
+    prompts = _prompts()
+    params = [SEEDED[i % len(SEEDED)] for i in range(len(prompts))]
+    kw = VARIANTS[variant]
+    plain = _run(_engine(checkpoint, False, **kw), prompts, params)
+    eng = _draft_engine(checkpoint, other_checkpoint, **kw)
+    spec = _run(eng, prompts, params)
+    assert {k: v[0] for k, v in spec.items()} == {k: v[0] for k, v in plain.items()}
+    assert eng.speculator.num_proposed > 0
+    if variant == "preempting":
+        assert eng.scheduler.num_preemptions > 0
+
+
+def test_the_target_as_its_own_draft_is_always_accepted(checkpoint):
+    """Greedy drafts of the target itself: every draft token accepted, k + 1 tokens a step."""
+    prompts = _prompts()
+    plain = _run(_engine(checkpoint, False), prompts, GREEDY)
+    eng = _draft_engine(checkpoint, checkpoint)
+    spec = _run(eng, prompts, GREEDY)
+    assert {k: v[0] for k, v in spec.items()} == {k: v[0] for k, v in plain.items()}
+    sp = eng.speculator
+    assert sp.num_accepted == sp.num_proposed > 0
+    assert eng.num_steps <= 2 + -(-GREEDY.max_tokens // (K + 1)) + 2
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(checkpoint, tmp_path):
+    import json
+    import shutil
+
+    draft = tmp_path / "draft"
+    shutil.copytree(checkpoint, draft)
+    cfg = json.loads((draft / "config.json").read_text())
+    cfg["vocab_size"] = 2 * cfg["vocab_size"]
+    (draft / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="vocabulary"):
+        _draft_engine(checkpoint, draft)

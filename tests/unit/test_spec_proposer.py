@@ -137,5 +137,9 @@ def test_config_rejects_nonsense():
         SpeculativeConfig(method="ngram", num_speculative_tokens=0)
     with pytest.raises(ValueError, match="ngram_min"):
         SpeculativeConfig(method="ngram", ngram_min=3, ngram_max=2)
+    with pytest.raises(ValueError, match="draft_model"):
+        SpeculativeConfig(method="draft")
+    with pytest.raises(ValueError, match="draft_model"):
+        SpeculativeConfig(method="ngram", draft_model="/m")
     with pytest.raises(ValueError, match="off"):
         Speculator(SpeculativeConfig())

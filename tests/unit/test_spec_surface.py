@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from services.cluster.cli import build_parser
 from services.cluster.serve import build_config
 from services.common.metrics import exported_names, worker_metrics
@@ -13,6 +15,12 @@ def test_serve_flags_build_a_speculative_engine_config():
     spec = build_config(args).engine.speculative
     assert spec.enabled and spec.method == "ngram" and spec.num_speculative_tokens == 3
     assert not build_config(build_parser().parse_args(["serve"])).engine.speculative.enabled
+    args = build_parser().parse_args(["serve", "--speculative", "draft",
+                                      "--speculative-draft-model", "/models/small"])
+    spec = build_config(args).engine.speculative
+    assert spec.method == "draft" and spec.draft_model == "/models/small"
+    with pytest.raises(ValueError, match="draft_model"):
+        build_config(build_parser().parse_args(["serve", "--speculative", "draft"]))
 
 
 def test_bench_spec_is_registered():

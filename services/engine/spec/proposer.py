@@ -7,7 +7,10 @@ what verification by resampling (``verifier.py``) needs to stay exact.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from services.engine.sequence import Sequence as EngineSequence
 
 
 class Proposer(Protocol):
@@ -20,6 +23,18 @@ class Proposer(Protocol):
 
     def drop(self, seq_id: str) -> None:
         """Forget a sequence's state (it finished or was aborted)."""
+        ...
+
+
+@runtime_checkable
+class BatchProposer(Protocol):
+    """A proposer that drafts for the whole step at once (a draft model's batched forward)."""
+
+    def propose_batch(self, requests: Sequence[tuple[EngineSequence, int]]) -> dict[str, list[int]]:
+        """Drafts by sequence id for each ``(sequence, k)``; a sequence may get none."""
+        ...
+
+    def drop(self, seq_id: str) -> None:
         ...
 
 

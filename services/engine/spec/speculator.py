@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence as Seq
 
 from services.common.config import SpeculativeConfig
 from services.engine.sequence import Sequence, SequenceStatus
-from services.engine.spec.proposer import NgramProposer, Proposer
+from services.engine.spec.proposer import BatchProposer, NgramProposer, Proposer
 
 _PRIOR = 0.5  # acceptance rate assumed for a sequence with no history
 _EMA = 0.3  # weight of the newest step in the acceptance average
@@ -64,7 +64,8 @@ def best_k(rate: float, max_k: int, verify_cost: float) -> int:
 class Speculator:
     """Proposes drafts for decoding sequences and learns their acceptance rates."""
 
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None) -> None:
+    def __init__(self, config: SpeculativeConfig,
+                 proposer: Proposer | BatchProposer | None = None) -> None:
         if not config.enabled:
             raise ValueError("speculative decoding is off in this config")
         self.config = config
@@ -94,18 +95,21 @@ class Speculator:
                     and s.num_uncomputed_tokens == 1]
         if len(decoding) > self.config.max_batch_size:
             return {}
-        drafts: dict[str, list[int]] = {}
+        requests: list[tuple[Sequence, int]] = []
         for seq in decoding:
             left = (seq.params.max_tokens or 1 << 62) - len(seq.output_token_ids)
             room = min(left, max_model_len - seq.num_tokens) - 1
             k = min(self.draft_length(seq.seq_id, len(decoding)), room)
             if k <= 0:
                 self._drift(seq.seq_id)
-                continue
-            draft = self.proposer.propose(seq.seq_id, SequenceTokens(seq), k)
-            if draft:
-                drafts[seq.seq_id] = draft
-        return drafts
+            else:
+                requests.append((seq, k))
+        if isinstance(self.proposer, BatchProposer):
+            drafts = self.proposer.propose_batch(requests)
+        else:
+            drafts = {seq.seq_id: self.proposer.propose(seq.seq_id, SequenceTokens(seq), k)
+                      for seq, k in requests}
+        return {seq_id: d for seq_id, d in drafts.items() if d}
 
     def observe(self, seq_id: str, proposed: int, accepted: int) -> None:
         """Record that ``accepted`` of ``proposed`` draft tokens were accepted."""

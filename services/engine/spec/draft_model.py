@@ -1,0 +1,107 @@
+"""Draft-model proposer: a small model of the same vocabulary drafts greedily.
+
+The draft keeps its own paged KV cache, addressed by the *target's* block
+tables: block ``b`` of a sequence holds the target's KV in the target cache and
+the draft's KV for the same positions in the draft cache. So the draft needs no
+allocator of its own, and whatever frees or preempts a sequence frees both.
+
+Each step, for the sequences that draft ``k`` tokens: one batched forward catches
+the draft's KV up to the sequence's last token and yields ``d_1``, then ``k - 1``
+one-token forwards yield ``d_2 .. d_k``. Drafts are the draft's argmax (a point
+mass), so verification by resampling (``verifier.py``) stays exact for every
+sampling setting. Draft KV past the last committed token is overwritten by the
+next catch-up, so rejected drafts need no rollback here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import torch
+
+from services.common.sampling_params import SamplingParams
+from services.engine.kv_cache.kv_manager import KVCacheManager
+from services.engine.kv_cache.paged_cache import PagedKVCache
+from services.engine.model.config import ModelConfig
+from services.engine.model.loader import load_model
+from services.engine.model_runner import ModelRunner
+from services.engine.sampler import Sampler
+from services.engine.scheduler import ScheduledSeq
+from services.engine.sequence import Sequence
+
+_GREEDY = SamplingParams(temperature=0.0)
+
+
+class _DraftView:
+    """A sequence as the draft runner sees it: its tokens plus the draft so far,
+    with the draft's own cursor, on the target's block table."""
+
+    def __init__(self, seq: Sequence, computed: int) -> None:
+        self.seq = seq
+        self.draft: list[int] = []
+        self.num_computed_tokens = computed
+        self.block_ids = seq.block_ids
+        self.params = _GREEDY
+        self.prompt_token_ids: list[int] = []
+        self.output_token_ids: list[int] = []  # greedy, no penalties: never read for content
+
+    @property
+    def num_tokens(self) -> int:
+        return self.seq.num_tokens + len(self.draft)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        n = self.seq.num_tokens
+        head = self.seq.token_slice(start, min(end, n)) if start < n else []
+        return head + self.draft[max(start, n) - n:end - n] if end > n else head
+
+
+class DraftModelProposer:
+    """Greedy drafts from a second, smaller checkpoint with the target's vocabulary."""
+
+    def __init__(self, path: str, target: ModelConfig, kv: KVCacheManager, num_blocks: int,
+                 dtype: torch.dtype, device: torch.device, max_model_len: int,
+                 use_onednn: bool = True, use_cpu_kernels: bool = True) -> None:
+        mc = ModelConfig.from_dir(path)
+        if mc.vocab_size != target.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({mc.vocab_size} tokens) differs "
+                             f"from the target's ({target.vocab_size})")
+        if mc.max_position_embeddings < max_model_len:
+            raise ValueError(f"the draft model handles {mc.max_position_embeddings} positions, "
+                             f"the target {max_model_len}")
+        model = load_model(path, dtype, device, max_model_len, use_onednn=use_onednn,
+                           use_cpu_kernels=use_cpu_kernels)
+        cache = PagedKVCache(mc.num_layers, num_blocks, kv.block_size, mc.num_kv_heads,
+                             mc.head_dim, dtype, device)
+        self.runner = ModelRunner(model, cache, Sampler(0), ())
+        self.kv = kv
+        # seq_id -> (positions whose draft KV is valid, the sequence's preemption count then)
+        self._computed: dict[str, tuple[int, int]] = {}
+
+    def propose_batch(self, requests: Seq[tuple[Sequence, int]]) -> dict[str, list[int]]:
+        """Drafts of ``k`` tokens for each ``(sequence, k)`` (decoding sequences only)."""
+        views: list[tuple[_DraftView, int]] = []
+        for seq, k in requests:
+            # The blocks the verification step needs: the draft writes into them first.
+            if k <= 0 or not self.kv.allocate(seq, 1 + k):
+                continue
+            computed, preemptions = self._computed.get(seq.seq_id, (0, seq.num_preemptions))
+            if preemptions != seq.num_preemptions:
+                computed = 0  # recomputed on other blocks: the draft KV is gone
+            views.append((_DraftView(seq, min(computed, seq.num_tokens - 1)), k))
+        active = views
+        while active:
+            items = [ScheduledSeq(v, v.num_tokens - v.num_computed_tokens) for v, _ in active]
+            results = self.runner.execute(items)
+            for (view, _), item, sampled in zip(active, items, results):
+                view.num_computed_tokens += item.num_new_tokens
+                view.draft.append(sampled[0].token_id)
+            active = [(v, k) for v, k in active if len(v.draft) < k]
+        out = {}
+        for view, _ in views:
+            seq = view.seq
+            self._computed[seq.seq_id] = (seq.num_tokens, seq.num_preemptions)
+            out[seq.seq_id] = view.draft
+        return out
+
+    def drop(self, seq_id: str) -> None:
+        self._computed.pop(seq_id, None)
