@@ -60,6 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K")
     p.add_argument("--no-adaptive", action="store_true", help="always draft K tokens")
+    p.add_argument("--draft-model", default=None, metavar="PATH",
+                   help="draft with this checkpoint (same vocabulary) instead of prompt lookup")
     p.add_argument("--rounds", type=int, default=2, help="interleaved on/off repetitions")
     p.add_argument("--workloads", default="edit,chat,oracle")
     p.add_argument("--threads", type=int, default=2)
@@ -177,22 +179,24 @@ def main(args: argparse.Namespace) -> int:
     from services.common.config import EngineConfig, SchedulerConfig, SpeculativeConfig
     from services.engine.default_model import default_model_path
     from services.engine.engine import LLMEngine
-    from services.engine.spec.proposer import NgramProposer
 
     torch.set_num_threads(args.threads)
     path = str(args.model or default_model_path("bench"))
     sizes = [int(b) for b in args.batch_sizes.split(",")]
-    spec_cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=args.num_speculative_tokens,
+    spec_cfg = SpeculativeConfig(method="draft" if args.draft_model else "ngram",
+                                 draft_model=args.draft_model,
+                                 num_speculative_tokens=args.num_speculative_tokens,
                                  adaptive=not args.no_adaptive, max_batch_size=max(sizes))
     engines = {mode: LLMEngine(EngineConfig(
         model=path, num_threads=args.threads, scheduler=SchedulerConfig(max_num_batched_tokens=4096),
         speculative=spec_cfg if mode == "on" else SpeculativeConfig())) for mode in ("off", "on")}
     tokenizer = engines["off"].tokenizer
     info = describe()
-    result: dict = dict(model=path, output_len=args.output_len, threads=args.threads,
+    result: dict = dict(model=path, draft_model=args.draft_model, output_len=args.output_len, threads=args.threads,
                         k=args.num_speculative_tokens, adaptive=not args.no_adaptive,
                         run=info, rows=[])
-    print(f"model {path}, {args.threads} threads, K={args.num_speculative_tokens}"
+    print(f"model {path}, drafts from {args.draft_model or 'prompt lookup'}, {args.threads} threads, "
+          f"K={args.num_speculative_tokens}"
           f"{'' if args.no_adaptive else ' (adaptive)'}, {args.output_len} tokens per request")
     print(f"machine: {info['machine']['cpu']}, load {info['machine']['load_avg_at_start']}")
     print(f"{'workload':8} {'batch':>5} {'off tok/s':>10} {'on tok/s':>10} {'speed-up':>8} "
@@ -203,6 +207,7 @@ def main(args: argparse.Namespace) -> int:
             run_batch(engines["off"], prompts[:1], 4, "warm-off")
             run_batch(engines["on"], prompts[:1], 4, "warm-on")
             spec = engines["on"].speculator
+            proposer = spec.proposer
             if workload == "oracle":
                 _, ref = run_batch(engines["off"], prompts, args.output_len, "ref")
                 spec.proposer = ReplayProposer(
@@ -217,7 +222,7 @@ def main(args: argparse.Namespace) -> int:
                     secs[mode] += s
                     tokens[mode] = toks
             if workload == "oracle":
-                spec.proposer = NgramProposer(spec_cfg.ngram_min, spec_cfg.ngram_max)
+                spec.proposer = proposer
             proposed, accepted = spec.num_proposed - p0, spec.num_accepted - a0
             drafts = spec.num_drafts - d0
             total = args.rounds * bs * args.output_len
