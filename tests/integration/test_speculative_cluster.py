@@ -97,3 +97,26 @@ def test_openai_sdk_streams_the_offline_text(served, checkpoint):
     m = re.search(r'^tandem_spec_proposed_tokens_total\{[^}]*role="decode"[^}]*\} (\S+)$', text,
                   re.MULTILINE)
     assert m is not None and float(m.group(1)) > 0
+
+
+def test_draft_model_in_the_decode_pool(ray_session, checkpoint):
+    """The decode worker prefills the imported prompt into its draft cache itself; the
+    target drafting for itself is always right, and the output is the offline one."""
+    from services.cluster.cluster import Cluster
+
+    prompts = _prompts()
+    reference = [o.outputs[0].token_ids for o in LLM(checkpoint).generate(prompts, PARAMS[0])]
+    spec = SpeculativeConfig(method="draft", draft_model=checkpoint, num_speculative_tokens=3,
+                             adaptive=False, max_batch_size=64)
+    engine = EngineConfig(model=checkpoint, cache=CacheConfig(num_blocks=128), speculative=spec)
+    cluster = Cluster(ClusterConfig(engine=engine, prefill_workers=1, decode_workers=1)).start()
+    try:
+        assert run_all(cluster, prompts, PARAMS[0]) == reference
+        for s in wait_all_free(cluster):
+            assert s["free_blocks"] == s["total_blocks"], f"{s['worker_id']} leaked blocks"
+        families = asyncio.run(cluster.worker_metric_families())
+        proposed = _spec_samples(families, "tandem_spec_proposed_tokens_total")
+        accepted = _spec_samples(families, "tandem_spec_accepted_tokens_total")
+        assert accepted["decode"] == proposed["decode"] > 0
+    finally:
+        cluster.shutdown()
