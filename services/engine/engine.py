@@ -30,8 +30,7 @@ from services.engine.model_runner import ModelRunner, SampledToken
 from services.engine.sampler import Sampler, TokenLogprob
 from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.sequence import Sequence, SequenceStatus
-from services.engine.spec.draft_model import DraftModelProposer
-from services.engine.spec.speculator import Speculator
+from services.engine.spec.speculator import make_speculator
 from services.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -82,13 +81,8 @@ class LLMEngine:
         self.block_pool = BlockPool(num_blocks, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, KVCacheManager(self.block_pool, cc.block_size))
         self.runner = ModelRunner(model, self.kv_cache, Sampler(config.seed), self.eos_token_ids)
-        self.speculator = None
-        spec = config.speculative
-        if spec.enabled and config.scheduler.role != EngineRole.PREFILL:
-            proposer = None if spec.method == "ngram" else DraftModelProposer(
-                spec.draft_model, mc, self.scheduler.kv, num_blocks, self.dtype, self.device,
-                self.max_model_len, use_onednn=config.onednn, use_cpu_kernels=config.cpu_kernels)
-            self.speculator = Speculator(spec, proposer)
+        self.speculator = make_speculator(config, mc, self.scheduler.kv, num_blocks, self.dtype,
+                                          self.max_model_len)
         self._reserved: dict[str, Sequence] = {}  # decode role: blocks awaiting import
         self.num_steps = 0
         log.info("engine ready: %s %s on %s, %d KV blocks of %d tokens",

@@ -15,8 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence as Seq
 
-from services.common.config import SpeculativeConfig
+import torch
+
+from services.common.config import EngineConfig, EngineRole, SpeculativeConfig
+from services.engine.kv_cache.kv_manager import KVCacheManager
+from services.engine.model.config import ModelConfig
 from services.engine.sequence import Sequence, SequenceStatus
+from services.engine.spec.draft_model import DraftModelProposer
 from services.engine.spec.proposer import BatchProposer, NgramProposer, Proposer
 
 _PRIOR = 0.5  # acceptance rate assumed for a sequence with no history
@@ -134,3 +139,15 @@ class Speculator:
     def drop(self, seq_id: str) -> None:
         self._rate.pop(seq_id, None)
         self.proposer.drop(seq_id)
+
+
+def make_speculator(config: EngineConfig, target: ModelConfig, kv: KVCacheManager,
+                    num_blocks: int, dtype: torch.dtype, max_model_len: int) -> Speculator | None:
+    """The speculator an engine of ``config`` runs, or None (off, or a prefill-only role)."""
+    spec = config.speculative
+    if not spec.enabled or config.scheduler.role == EngineRole.PREFILL:
+        return None
+    proposer = None if spec.method == "ngram" else DraftModelProposer(
+        spec.draft_model, target, kv, num_blocks, dtype, torch.device(config.device),
+        max_model_len, use_onednn=config.onednn, use_cpu_kernels=config.cpu_kernels)
+    return Speculator(spec, proposer)
