@@ -4,8 +4,8 @@ Two engines on the same checkpoint in one process, one with n-gram speculation
 and one without, run the same batches interleaved (off, on, on, off, ...) at
 each batch size, on two workloads:
 
-- ``edit``: "rewrite this text" prompts that quote a passage and start the
-  rewrite, so a model that copies its input is drafted well by prompt lookup;
+- ``edit``: "rewrite this text" chat requests quoting a passage, so a model
+  that copies its input is drafted well by prompt lookup;
 - ``chat``: short free-form chat prompts, where drafts come only from the
   model's own repetitions;
 - ``oracle``: the edit prompts with drafts read from the plain run's output,
@@ -71,26 +71,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def edit_prompt(passage: str) -> str:
-    """A rewrite request that quotes ``passage`` and starts its copy."""
-    first = passage.split(". ")[0]
-    return (f"Rewrite the following text with British spelling. Change nothing else.\n\n"
-            f"Text: {passage}\n\nRewritten text: {first}")
+    """A rewrite request quoting ``passage``: the answer is mostly a copy of it."""
+    return ("Rewrite the following text with British spelling. Change nothing else.\n\n"
+            f"{passage}")
 
 
 def workload_prompts(name: str, tokenizer, n: int, seed: int) -> list[list[int]]:
-    """``n`` prompts (token ids) of workload ``edit`` or ``chat``."""
+    """``n`` chat prompts (token ids) of workload ``edit``/``oracle`` or ``chat``."""
     rng = random.Random(seed)
     if name in ("edit", "oracle"):
-        texts = [edit_prompt(PASSAGES[i % len(PASSAGES)]) for i in range(n)]
-        return [tokenizer.encode(t) for t in texts]
-    if name == "chat":
-        out = []
-        for i in range(n):
-            msg = [{"role": "user", "content": CHAT[(i + rng.randrange(len(CHAT))) % len(CHAT)]}]
-            text = tokenizer.apply_chat_template(msg, add_generation_prompt=True)
-            out.append(tokenizer.encode(text, add_special_tokens=False))
-        return out
-    raise ValueError(f"unknown workload {name!r}: edit, chat or oracle")
+        messages = [edit_prompt(PASSAGES[i % len(PASSAGES)]) for i in range(n)]
+    elif name == "chat":
+        messages = [CHAT[(i + rng.randrange(len(CHAT))) % len(CHAT)] for i in range(n)]
+    else:
+        raise ValueError(f"unknown workload {name!r}: edit, chat or oracle")
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": m}],
+                                           add_generation_prompt=True) for m in messages]
+    return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
 
 
 class ReplayProposer:
