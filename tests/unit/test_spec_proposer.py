@@ -108,7 +108,7 @@ def test_speculator_limits_batch_size_max_tokens_and_context():
 
 def test_speculator_adapts_k_and_probes_again():
     spec = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=4))
-    assert spec.draft_length("s") == best_k(0.5, 4, 0.15)
+    assert spec.draft_length("s", 64) == 1  # no history: one token probes, whatever the batch
     for _ in range(20):
         spec.observe("s", 4, 4)
     assert spec.draft_length("s") == 4
@@ -127,7 +127,7 @@ def test_speculator_adapts_k_and_probes_again():
         pytest.fail("a sequence that stopped drafting never drafts again")
     assert (spec.num_proposed, spec.num_accepted, spec.num_drafts) == (164, 81, 41)
     spec.drop("s")
-    assert spec.draft_length("s") == best_k(0.5, 4, 0.15)
+    assert spec.draft_length("s") == 1
 
 
 def test_config_rejects_nonsense():

@@ -7,8 +7,9 @@ is tracked as an exponential moving average. Drafting ``k`` tokens commits
 ratio (0: do not draft). ``c`` is ``verify_cost`` up to ``_COST_KNEE`` decoding
 sequences and grows in proportion to the batch beyond: a step stops being bound
 by reading the weights once the batch is large, so every extra position costs
-more (measured: 0.13-0.17 at batch 1-4, 0.25 at 8, 0.41 at 16). A sequence that stops drafting drifts
-back towards the prior so it is probed again later.
+more (measured: 0.13-0.17 at batch 1-4, 0.25 at 8, 0.41 at 16). A sequence with no history drafts one
+token to measure itself; one that stops drafting drifts back towards the prior
+so it is probed again later.
 """
 
 from __future__ import annotations
@@ -86,8 +87,11 @@ class Speculator:
         c = self.config
         if not c.adaptive:
             return c.num_speculative_tokens
+        rate = self._rate.get(seq_id)
+        if rate is None:
+            return 1  # no history yet: one draft token measures the sequence cheaply
         cost = c.verify_cost * max(1.0, batch_size / _COST_KNEE)
-        return best_k(self._rate.get(seq_id, _PRIOR), c.num_speculative_tokens, cost)
+        return best_k(rate, c.num_speculative_tokens, cost)
 
     def propose(self, running: list[Sequence], max_model_len: int) -> dict[str, list[int]]:
         """Drafts by sequence id for the decoding sequences among ``running``.
