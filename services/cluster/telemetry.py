@@ -47,9 +47,11 @@ class ClusterTelemetry:
 
     async def snapshot(self) -> Snapshot:
         """The latest snapshot; the first call starts the refresher and waits for one."""
-        if self._task is None or self._task.done():
-            self._first = asyncio.Event()
-            self._task = asyncio.get_running_loop().create_task(self._run())
+        loop = asyncio.get_running_loop()
+        if self._task is None or self._task.done() or self._task.get_loop() is not loop:
+            self.close()  # a refresher left on another loop
+            self._first = asyncio.Event()  # (re)start on this loop; a snapshot is still served
+            self._task = loop.create_task(self._run())
         if self._snapshot is None:
             await self._first.wait()
         snap = self._snapshot
@@ -79,7 +81,9 @@ class ClusterTelemetry:
         return Snapshot(ready, families, time.monotonic())
 
     def close(self) -> None:
-        """Stop refreshing (call on the loop that runs it)."""
-        if self._task is not None:
-            self._task.cancel()
-            self._task = None
+        """Stop refreshing (from any thread)."""
+        task, self._task = self._task, None
+        if task is not None and not task.done():
+            task_loop = task.get_loop()
+            if not task_loop.is_closed():
+                task_loop.call_soon_threadsafe(task.cancel)
