@@ -113,6 +113,8 @@ def main(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     keys = collect_keys(args.api_key, args.api_key_file)
+    if args.metrics_require_key and not keys:
+        raise ValueError("--metrics-require-key needs an API key (--api-key-file, --api-key)")
     warning = check_exposure(args.host, keys, args.allow_unauthenticated)
     if warning:
         progress(warning)

@@ -92,6 +92,7 @@ def _serve(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
     ([], {"TANDEM_API_KEY": "  "}, "the API key from $TANDEM_API_KEY is empty"),
     (["--api-key-file", "/nonexistent/key"], None, "API key file '/nonexistent/key' does not exist"),
     (["--host", "0.0.0.0"], None, "refusing to serve on 0.0.0.0 without an API key"),
+    (["--metrics-require-key"], None, "--metrics-require-key needs an API key"),
 ])
 def test_tandem_serve_refuses_at_start_up_before_starting_anything(args, env, message):
     proc = _serve(*args, env=env)
