@@ -1090,3 +1090,21 @@ def test_the_api_key_checksum_is_salted_by_a_salt_kept_in_the_secret():
     generated = one(render_file("default-values.yaml"), "Secret", f"{RELEASE}-api-key")
     key = base64.b64decode(generated["data"]["api-key"]).decode()
     assert len(key) == 48 and key.isalnum()
+
+
+def test_metrics_behind_the_api_key_on_request():
+    values = load_values("all-on-values.yaml") | {"gateway": load_values("all-on-values.yaml")["gateway"]
+                                                  | {"metricsRequireKey": True}}
+    docs = render(values)
+    assert "--metrics-require-key" in gateway_container(docs)["args"]
+    sm = one(docs, "ServiceMonitor")
+    assert sm["spec"]["endpoints"][0]["authorization"] == {
+        "type": "Bearer", "credentials": {"name": f"{RELEASE}-api-key", "key": "api-key"}}
+    assert prometheus_operator_errors(sm) == []
+    if REQUIRED or _have("cloudcoil.models.prometheus_operator"):
+        assert cloudcoil_errors(sm) == []
+    assert "--metrics-require-key" not in gateway_container(render_file("all-on-values.yaml"))["args"]
+    with pytest.raises(helm.HelmError) as err, helm.Chart.load(str(CHART)) as chart:
+        chart.render({"gateway": {"metricsRequireKey": True}, "apiKey": {"enabled": False},
+                      "security": {"allowInsecure": True}}, name=RELEASE, namespace=NAMESPACE)
+    assert "gateway.metricsRequireKey needs apiKey.enabled" in str(err.value)
