@@ -16,6 +16,7 @@ import ray
 from services.common.config import ClusterConfig
 from services.common.sampling_params import SamplingParams
 from services.cluster.handles import RayDecode, RayPrefill
+from services.cluster.ray_start import RayRuntime
 from services.decode.worker import DecodeWorker
 from services.prefill.worker import PrefillWorker
 from services.protocol.request_path import TokenDelta
@@ -43,7 +44,7 @@ class Cluster:
         self.driver: RequestDriver | None = None
         self._ids = itertools.count()
         self._refresher: asyncio.Task | None = None
-        self._owns_ray = False
+        self._ray = RayRuntime(config.ray_address)  # a Ray started here listens on loopback only
         self.replacements = 0
         self._healing: asyncio.Future | None = None
         self._serving = threading.Event()  # cleared while the transfer group is rebuilt
@@ -55,12 +56,9 @@ class Cluster:
 
         cfg = self.config
         if not ray.is_initialized():
-            self._progress("starting Ray" if cfg.ray_address is None
+            self._progress("starting Ray (loopback only)" if cfg.ray_address is None
                            else f"joining Ray at {cfg.ray_address}")
-            local = {} if cfg.ray_address else {"_node_ip_address": "127.0.0.1"}  # Ray stays internal
-            ray.init(address=cfg.ray_address, include_dashboard=False,
-                     log_to_driver=False, configure_logging=False, **local)
-            self._owns_ray = True
+            self._ray.start()
         model = cfg.engine.model or str(default_model_path())
         engine = dataclasses.replace(cfg.engine, model=model, num_threads=cfg.threads_per_worker)
         colocated = cfg.mode == "colocated"
@@ -168,8 +166,7 @@ class Cluster:
             with contextlib.suppress(Exception):
                 ray.kill(w.actor)
         self.prefill, self.decode = [], []
-        if self._owns_ray:
-            ray.shutdown()
+        self._ray.stop()
 
     # -- requests ---------------------------------------------------------------
     async def refresh_loads(self) -> None:

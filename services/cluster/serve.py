@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -25,7 +24,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start one)")
     p.add_argument("--api-key", action="append", default=None,
-                   help="accepted bearer token (repeatable; also $TANDEM_API_KEY)")
+                   help="accepted bearer token (repeatable; also $TANDEM_API_KEY). Visible in "
+                   "the process list: prefer --api-key-file")
+    p.add_argument("--api-key-file", action="append", default=None, metavar="PATH",
+                   help="file of accepted bearer tokens, one per line (repeatable; also "
+                   "$TANDEM_API_KEY_FILE), e.g. a mounted Kubernetes Secret")
+    p.add_argument("--allow-unauthenticated", action="store_true",
+                   help="serve a non-loopback --host without an API key (refused otherwise)")
+    p.add_argument("--metrics-require-key", action="store_true",
+                   help="/metrics needs the API key too (default: open, like /health and /ready)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads-per-worker", type=int, default=1)
@@ -92,6 +99,7 @@ def build_config(args: argparse.Namespace):
 
 
 def main(args: argparse.Namespace) -> int:
+    from services.cluster.api_keys import check_exposure, collect_keys
     from services.cluster.backend import ClusterBackend
     from services.cluster.cluster import Cluster
     from services.engine.default_model import default_model_path
@@ -104,6 +112,12 @@ def main(args: argparse.Namespace) -> int:
         print(f"[tandem] {msg}", file=sys.stderr, flush=True)
 
     t0 = time.perf_counter()
+    keys = collect_keys(args.api_key, args.api_key_file)
+    if args.metrics_require_key and not keys:
+        raise ValueError("--metrics-require-key needs an API key (--api-key-file, --api-key)")
+    warning = check_exposure(args.host, keys, args.allow_unauthenticated)
+    if warning:
+        progress(warning)
     config = build_config(args)
     if config.engine.model is None:
         progress("preparing the embedded default model")
@@ -113,15 +127,13 @@ def main(args: argparse.Namespace) -> int:
     mc = ModelConfig.from_dir(model)
     tokenizer = Tokenizer.from_dir(model)
     max_len = min(config.engine.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-    keys = list(args.api_key or [])
-    if os.environ.get("TANDEM_API_KEY"):
-        keys.append(os.environ["TANDEM_API_KEY"])
     cluster = Cluster(config, progress=progress).start()
     try:
         name = args.served_model_name or (Path(model).name if args.model else "tandem-small")
         backend = ClusterBackend(cluster, name, max_len, mc.vocab_size)
         app = create_app(backend, tokenizer, api_keys=keys, max_body_bytes=args.max_body_bytes,
-                         request_timeout_s=args.request_timeout)
+                         request_timeout_s=args.request_timeout,
+                         metrics_require_key=args.metrics_require_key)
         progress(f"ready in {time.perf_counter() - t0:.1f}s: serving {name!r} "
                  f"({config.mode}, {config.prefill_workers}P+{config.decode_workers}D) "
                  f"at http://{args.host}:{args.port}/v1")

@@ -45,6 +45,12 @@ class CollectiveChannel:
         self.group_name = group_name
         self.device = torch.device("cuda" if backend == "nccl" else "cpu")
         if backend == "gloo":
+            import torch.distributed as dist
+
+            from services.transfer.store import init_gloo_default_group
+
+            if not dist.is_initialized():  # rendezvous on a store bound to the node address
+                init_gloo_default_group(world_size, rank, group_name, timeout_ms)
             col.init_collective_group(world_size, rank, backend="gloo", group_name=group_name,
                                       gloo_timeout=timeout_ms)
         else:
