@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 
 import pytest
@@ -202,3 +203,14 @@ def test_ready_answers_503_while_draining(tok):
         r = c.get("/ready")
         assert r.status_code == 503 and r.json() == {"status": "draining"}
         assert c.get("/health").status_code == 200
+
+
+def test_sse_frames_escape_what_clients_take_for_line_breaks():
+    from services.gateway.sse import frame
+
+    text = "a\u2028b\u2029c\x85d\nе\r\x1c"
+    data = frame({"choices": [{"text": text}]})
+    assert data.startswith(b"data: ") and data.endswith(b"\n\n")
+    line = data[len(b"data: "):-2].decode()
+    assert line.splitlines() == [line]  # one line for str.splitlines, httpx and the SSE spec alike
+    assert json.loads(line)["choices"][0]["text"] == text
