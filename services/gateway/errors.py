@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from services.router.driver import TransferError, WorkerLostError
 from services.router.errors import ClusterFullError, NoWorkersError, PromptTooLargeError
 
 log = logging.getLogger(__name__)
@@ -69,22 +70,44 @@ def retry_after(seconds: float) -> str:
     return str(max(1, math.ceil(seconds)))
 
 
+# What a client reads when the cluster fails its request: fixed texts, never the
+# exception's own (a worker's exception carries a remote traceback, pids, node IPs, actor
+# ids and source paths). The detail goes to the gateway's log. README "Errors" lists them.
+BACKEND_ERRORS: dict[str, tuple[int, str]] = {
+    "no_workers": (503, "no workers are available to serve this request; retry after Retry-After seconds"),
+    "cluster_full": (429, "the cluster is full; retry after Retry-After seconds"),
+    "prompt_too_large": (400, "the prompt needs more KV cache than any worker of this cluster has"),
+    "rejected_by_worker": (400, "the model workers refused this request's parameters"),
+    "worker_failed": (503, "a worker failed while serving this request; retry it"),
+    "internal_error": (500, "internal error; the server's log has the details"),
+}
+
+
+def backend_error(code: str, *, param: str | None = None, headers: Mapping[str, str] | None = None) -> APIError:
+    """The fixed client error ``code`` of :data:`BACKEND_ERRORS`."""
+    status, message = BACKEND_ERRORS[code]
+    return APIError(status, message, param=param, code=code, headers=headers)
+
+
 def from_backend_error(exc: BaseException) -> APIError:
-    """Map what ``Backend.generate`` raises to the client's error."""
+    """Map what ``Backend.generate`` raises to the client's error (a fixed message; the detail is logged)."""
     if isinstance(exc, APIError):
         return exc
-    if isinstance(exc, NoWorkersError):
-        return APIError(503, f"no workers available: {exc}", code="no_workers",
-                        headers={"Retry-After": retry_after(exc.retry_after_s)})
-    if isinstance(exc, ClusterFullError):
-        return APIError(429, f"the cluster is full, retry later: {exc}", code="cluster_full",
-                        headers={"Retry-After": retry_after(exc.retry_after_s)})
+    if isinstance(exc, ClusterFullError):  # NoWorkersError included
+        code = "no_workers" if isinstance(exc, NoWorkersError) else "cluster_full"
+        log.warning("request refused (%s): %s", code, exc)
+        return backend_error(code, headers={"Retry-After": retry_after(exc.retry_after_s)})
     if isinstance(exc, PromptTooLargeError):
-        return bad_request(str(exc), param="prompt", code="context_length_exceeded")
+        log.warning("request refused (prompt_too_large): %s", exc)
+        return backend_error("prompt_too_large", param="prompt")
     if isinstance(exc, ValueError):
-        return bad_request(str(exc))
+        log.warning("the workers refused a request", exc_info=exc)
+        return backend_error("rejected_by_worker")
+    if isinstance(exc, (WorkerLostError, TransferError)):
+        log.error("a request failed after its retries", exc_info=exc)
+        return backend_error("worker_failed", headers={"Retry-After": "1"})
     log.error("backend request failed", exc_info=exc)
-    return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error")
+    return backend_error("internal_error")
 
 
 def _param_of(loc: tuple[Any, ...]) -> str | None:
@@ -146,7 +169,7 @@ def install_handlers(app: FastAPI) -> None:
 
     async def on_unexpected(request: Request, exc: Exception) -> Response:
         log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-        return counted(request, APIError(500, f"internal error: {type(exc).__name__}", code="internal_error"))
+        return counted(request, backend_error("internal_error"))
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation)
