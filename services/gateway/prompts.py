@@ -44,14 +44,8 @@ def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer, vocab_size:
 
 def _message_dict(m: ChatMessage) -> dict[str, Any]:
     d = m.model_dump(exclude_none=True)
-    if isinstance(m.content, list):
-        texts = []
-        for part in m.content:
-            if part.type != "text" or part.text is None:
-                raise bad_request(f"unsupported content part type {part.type!r}: only text parts are supported",
-                                  param="messages")
-            texts.append(part.text)
-        d["content"] = "\n".join(texts)
+    if isinstance(m.content, list):  # text parts (the schema admits no other kind)
+        d["content"] = "\n".join(part.text for part in m.content)
     return d
 
 

@@ -11,19 +11,18 @@ _FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "f
 
 
 def check_common(req: SamplingFields, *, max_n: int, vocab_size: int) -> int:
-    """Reject what no endpoint supports; return ``n``."""
+    """The bounds that depend on the server and the model (the schema's ``x-limit`` ones,
+    beside the context length, which needs the prompt); return ``n``."""
     n = 1 if req.n is None else req.n
     if n > max_n:
         raise bad_request(f"n must be at most {max_n}, got {n}", param="n")
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", param="logit_bias")
+    if req.top_k is not None and req.top_k > vocab_size:
+        raise bad_request(f"top_k must be at most the vocabulary size {vocab_size}, got {req.top_k}",
+                          param="top_k")
     for t in req.stop_token_ids or ():
         if t >= vocab_size:
             raise bad_request(f"stop_token_ids contains {t}, outside the vocabulary [0, {vocab_size})",
                               param="stop_token_ids")
-    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
-    if any(not s for s in stops):
-        raise bad_request("stop strings must not be empty", param="stop")
     return n
 
 
@@ -63,7 +62,7 @@ def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | Non
         "presence_penalty": req.presence_penalty or 0.0,
         "frequency_penalty": req.frequency_penalty or 0.0,
         "repetition_penalty": 1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        "min_tokens": req.min_tokens or 0,
+        "min_tokens": min(req.min_tokens or 0, max_tokens),  # max_tokens always ends the output
         "stop": tuple([req.stop] if isinstance(req.stop, str) else (req.stop or ())),
         "stop_token_ids": tuple(req.stop_token_ids or ()),
         "ignore_eos": bool(req.ignore_eos),

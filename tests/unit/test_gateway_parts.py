@@ -158,12 +158,15 @@ def test_logprob_rendering(tok):
 
 
 @pytest.mark.parametrize("field,value", [("temperature", False), ("max_tokens", "5"), ("n", 1.5),
-                                         ("stream", 1), ("top_k", 2.0), ("seed", True)])
+                                         ("stream", 1), ("top_k", 2.5), ("seed", True),
+                                         ("max_tokens", float("inf")), ("prompt", [1, 2.5])])
 def test_request_models_are_strict(field, value):
     with pytest.raises(ValueError):
         CompletionRequest.model_validate({"model": "m", "prompt": "x", field: value})
     ok = CompletionRequest.model_validate({"model": "m", "prompt": "x", "temperature": 1, "future_field": 1})
     assert ok.temperature == 1.0
+    as_json_schema = CompletionRequest.model_validate({"model": "m", "prompt": [1, 2.0], "top_k": 2.0})
+    assert as_json_schema.top_k == 2 and as_json_schema.prompt == [1, 2]  # 2.0 is an integer in JSON Schema
     with pytest.raises(ValueError):
         ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": 5}]})
 
