@@ -78,7 +78,7 @@ async def create_chat_completion(state: GatewayState, req: ChatCompletionRequest
             raise bad_request(f"{name} is not supported (this server does not call tools)", param=name)
     n = check_common(req, max_n=state.max_n, vocab_size=backend.vocab_size)
     num_logprobs = _num_logprobs(req)
-    ids = chat_prompt(req, state.tokenizer, backend.vocab_size)
+    ids = await chat_prompt(req, state.tokenizer, backend.vocab_size, backend.max_model_len)
     requested, param = ((req.max_completion_tokens, "max_completion_tokens") if req.max_completion_tokens
                         is not None else (req.max_tokens, "max_tokens"))
     max_tokens = max_tokens_for(requested, len(ids), backend.max_model_len, default=None, param=param,
