@@ -76,7 +76,8 @@ async def create_chat_completion(state: GatewayState, req: ChatCompletionRequest
         value = getattr(req, name)
         if value not in (None, [], {}, "none"):
             raise bad_request(f"{name} is not supported (this server does not call tools)", param=name)
-    n = check_common(req, max_n=state.max_n, vocab_size=backend.vocab_size)
+    n = check_common(req, max_n=state.max_n, vocab_size=backend.vocab_size,
+                     max_model_len=backend.max_model_len)
     num_logprobs = _num_logprobs(req)
     ids = await chat_prompt(req, state.tokenizer, backend.vocab_size, backend.max_model_len)
     requested, param = ((req.max_completion_tokens, "max_completion_tokens") if req.max_completion_tokens

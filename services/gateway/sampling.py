@@ -10,9 +10,13 @@ _FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "f
            "repetition_penalty", "seed", "max_tokens", "min_tokens", "stop", "stop_token_ids", "logprobs")
 
 
-def check_common(req: SamplingFields, *, max_n: int, vocab_size: int) -> int:
-    """The bounds that depend on the server and the model (the schema's ``x-limit`` ones,
-    beside the context length, which needs the prompt); return ``n``."""
+def check_common(req: SamplingFields, *, max_n: int, vocab_size: int, max_model_len: int) -> int:
+    """The bounds that depend on the server and the model (the schema's ``x-limit`` ones;
+    prompt + output against the context needs the prompt: :func:`max_tokens_for`); return ``n``."""
+    if getattr(req, "max_completion_tokens", None) is not None and req.max_tokens is not None \
+            and req.max_tokens >= max_model_len:  # unused (chat prefers max_completion_tokens), still bounded
+        raise bad_request(f"max_tokens must be below this model's maximum context length of {max_model_len} "
+                          f"tokens, got {req.max_tokens}", param="max_tokens", code="context_length_exceeded")
     n = 1 if req.n is None else req.n
     if n > max_n:
         raise bad_request(f"n must be at most {max_n}, got {n}", param="n")

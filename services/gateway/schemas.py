@@ -61,7 +61,10 @@ TokenId = _int(0, MAX_TOKEN_ID, "token_id")
 MaxTokens = _int(1, MAX_TOKENS_LIMIT, "context")
 MinTokens = _int(0, MAX_TOKENS_LIMIT)
 TopK = _int(-1, MAX_TOP_K, "vocab")
-Seed = _int(0, MAX_SEED)
+# RFC 8259's interoperable integers: beyond 2**53 - 1, JSON tools compare as doubles, and a
+# bound there would admit what the server refuses (SamplingParams itself takes up to 2**63 - 1).
+MAX_JSON_SEED = min(MAX_SEED, 2**53 - 1)
+Seed = _int(0, MAX_JSON_SEED)
 NumChoices = _int(1, MAX_TOKENS_LIMIT, "max_n")
 NumLogprobs = _int(0, MAX_LOGPROBS)
 BestOf = _int(1, 1)

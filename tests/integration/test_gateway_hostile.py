@@ -52,7 +52,7 @@ HUGE = 10**20
 HOSTILE_COMPLETIONS = [
     # huge numbers
     (completion(max_tokens=HUGE), "max_tokens"), (completion(top_k=HUGE), "top_k"), (completion(n=HUGE), "n"),
-    (completion(seed=2**64), "seed"), (completion(logprobs=HUGE), "logprobs"), (completion(min_tokens=HUGE), "min_tokens"),
+    (completion(seed=2**64), "seed"), (completion(seed=2**53), "seed"), (completion(logprobs=HUGE), "logprobs"), (completion(min_tokens=HUGE), "min_tokens"),
     (completion(best_of=HUGE), "best_of"), (completion(prompt=[HUGE]), "prompt"),
     (completion(stop_token_ids=[HUGE]), "stop_token_ids"), (completion(top_k=10_000), "top_k"),  # > vocabulary
     # negative numbers
@@ -109,6 +109,7 @@ HOSTILE_CHATS = [
     (chat(logprobs=True, top_logprobs=HUGE), "top_logprobs"),
     (chat(max_completion_tokens=HUGE), "max_completion_tokens"),
     (chat(n=HUGE), "n"),
+    (chat(max_completion_tokens=4, max_tokens=10_000), "max_tokens"),  # unused, but still bounded
     (chat(temperature=1e-300), "temperature"),
 ]
 
