@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from services.common.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from services.router.driver import TransferError, WorkerLostError
 from services.router.errors import ClusterFullError, NoWorkersError, PromptTooLargeError
 
@@ -116,6 +117,25 @@ def _param_of(loc: tuple[Any, ...]) -> str | None:
     return parts[0] if parts and isinstance(parts[0], str) else None
 
 
+# Fields that take one of several shapes: one sentence instead of an error per shape.
+_SHAPES = {
+    "prompt": "prompt must be a non-empty string, a non-empty list of non-empty strings, a non-empty list of "
+              "token ids, or a non-empty list of non-empty lists of token ids (within the limits in /openapi.json)",
+    "stop": f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings, each of 1 to "
+            f"{MAX_STOP_STRING_CHARS} characters",
+}
+
+
+_TAGS = {"str", "int", "float", "bool", "list", "dict"}  # pydantic's names of plain union branches
+
+
+def _where(loc: tuple[Any, ...]) -> str:
+    """``("body", "prompt", "list[constrained-str]", 0)`` -> ``prompt.0`` (pydantic's union branch
+    names, which hold ``[`` or ``-`` or name a plain type, are left out: no field is named so)."""
+    parts = [str(p) for p in loc[1:] if not (isinstance(p, str) and ("[" in p or "-" in p or p in _TAGS))]
+    return ".".join(parts) or "body"
+
+
 def validation_error(exc: RequestValidationError) -> APIError:
     """A FastAPI/pydantic request validation error as a 400."""
     errors = list(exc.errors())
@@ -129,12 +149,15 @@ def validation_error(exc: RequestValidationError) -> APIError:
     if loc in (("body",), ()):
         return bad_request("the request body must be a JSON object (Content-Type: application/json)")
     param = _param_of(loc)
-    msgs = []
-    for e in errors[:3]:
-        where = ".".join(str(p) for p in e.get("loc", ())[1:]) or "body"
-        msgs.append(f"{where}: {e.get('msg', 'invalid value')}")
-    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
-    return bad_request("invalid request: " + "; ".join(msgs) + more, param=param)
+    if param in _SHAPES and all(_param_of(tuple(e.get("loc", ()))) == param for e in errors):
+        return bad_request("invalid request: " + _SHAPES[param], param=param)
+    msgs: list[str] = []
+    for e in errors:
+        msg = f"{_where(tuple(e.get('loc', ())))}: {str(e.get('msg', 'invalid value')).removeprefix('Value error, ')}"
+        if msg not in msgs:
+            msgs.append(msg)
+    more = f" (and {len(msgs) - 3} more)" if len(msgs) > 3 else ""
+    return bad_request("invalid request: " + "; ".join(msgs[:3]) + more, param=param)
 
 
 def install_handlers(app: FastAPI) -> None:
