@@ -73,7 +73,7 @@ def retry_after(seconds: float) -> str:
 
 # What a client reads when the cluster fails its request: fixed texts, never the
 # exception's own (a worker's exception carries a remote traceback, pids, node IPs, actor
-# ids and source paths). The detail goes to the gateway's log. README "Errors" lists them.
+# ids and source paths). The detail goes to the gateway's log. The README lists them.
 BACKEND_ERRORS: dict[str, tuple[int, str]] = {
     "no_workers": (503, "no workers are available to serve this request; retry after Retry-After seconds"),
     "cluster_full": (429, "the cluster is full; retry after Retry-After seconds"),
