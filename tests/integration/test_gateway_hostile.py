@@ -144,6 +144,7 @@ def test_malformed_chat_fields_are_400(http, backend, body, param):
     b'{"model": "fake-model", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",  # nesting bomb
     b'{"model": "fake-model", "prompt": "\xff\xfe"}',  # not UTF-8
     b'{"model": "fake-model", "prompt": "x", "prompt": 5}',  # the last duplicate key wins
+    b'{"model": "fake-model", "prompt": "x", "top_k": ' + b"9" * 5000 + b"}",  # past Python's int digit limit
 ])
 def test_malformed_json_is_400(http, backend, content):
     before = len(backend.requests)
