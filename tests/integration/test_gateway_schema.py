@@ -75,3 +75,43 @@ def test_responses_conform_and_are_never_5xx(api, method, path, mode):
     statuses = fuzz(schema, method, path, mode, 40 if method == "POST" else 10)
     assert statuses
     assert not fake.running()
+
+
+def _walk(node):
+    if isinstance(node, dict):
+        yield node
+        for v in node.values():
+            yield from _walk(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _walk(v)
+
+
+def test_the_schema_states_what_is_accepted(api, tiny_model_dir):
+    schema, _ = api
+    doc = schema.raw_schema
+    comps = doc["components"]["schemas"]
+    chat, comp = comps["ChatCompletionRequest"], comps["CompletionRequest"]
+    for name in ("tools", "tool_choice", "functions", "function_call"):  # unsupported: not offered
+        assert name not in chat["properties"]
+    assert not any("x-limit" in node for node in _walk(doc))  # every marker became a bound
+    shapes = comp["properties"]["prompt"]["anyOf"]
+    assert shapes[0] == {"type": "string", "minLength": 1}
+    assert all(s["minItems"] == 1 for s in shapes[1:])
+    assert shapes[1]["maxItems"] == 8 and shapes[2]["maxItems"] == 63  # max_prompts; context - 1
+    assert shapes[2]["items"]["maximum"] == Tokenizer.from_dir(tiny_model_dir).vocab_size - 1
+
+    def bound(props, name):
+        (branch,) = [b for b in props[name]["anyOf"] if b.get("type") == "integer"]
+        return branch["maximum"]
+
+    assert bound(comp["properties"], "n") == 4 and bound(comp["properties"], "max_tokens") == 63
+    assert bound(chat["properties"], "max_completion_tokens") == 63
+    assert bound(comp["properties"], "top_k") == Tokenizer.from_dir(tiny_model_dir).vocab_size
+    roles = {}
+    for ref in chat["properties"]["messages"]["items"]["oneOf"]:
+        message = comps[ref["$ref"].rsplit("/", 1)[1]]
+        roles[message["properties"]["role"]["const"]] = message
+    assert set(roles) == {"system", "developer", "user", "assistant"}  # no tool / function messages
+    assert all(set(m["required"]) == {"role", "content"} for m in roles.values())
+    assert chat["then"]["required"] == ["logprobs"]  # top_logprobs needs logprobs: true
