@@ -1,5 +1,5 @@
-"""Hostile input against the real thing: uvicorn, the gateway and a disaggregated Ray cluster
-(1 prefill + 1 decode worker). Out-of-range requests are refused at the edge with 400/413
+"""Hostile input against the real thing: uvicorn, the gateway and a Ray cluster (1 prefill +
+1 decode worker) in each mode: disaggregated, colocated, conditional. Out-of-range requests are refused at the edge with 400/413
 and nothing of the server's insides; requests at the very edge of every bound are served;
 afterwards no worker was replaced or restarted and the next request gets the same tokens
 as before the suite."""
@@ -16,13 +16,13 @@ from services.common.sampling_params import (MAX_LOGPROBS, MAX_PENALTY, MAX_REPE
                                              MIN_REPETITION_PENALTY, MIN_TEMPERATURE)
 from services.gateway.schemas import MAX_JSON_SEED
 from tests.gateway_helpers import assert_error, assert_no_internals
-from tests.integration.test_cluster import _config
+from tests.integration.test_cluster import MODES, _config
 
 MODEL, MAX_N, MAX_PROMPTS, LIMIT = "tiny", 4, 8, 1 << 20
 
 
-@pytest.fixture(scope="module")
-def served(ray_session, checkpoint):
+@pytest.fixture(scope="module", params=["1P1D", "colocated", "conditional"])
+def served(request, ray_session, checkpoint):
     from services.cluster.backend import ClusterBackend
     from services.cluster.cluster import Cluster
     from services.engine.model.config import ModelConfig
@@ -30,7 +30,7 @@ def served(ray_session, checkpoint):
     from services.gateway.server import ServerThread
     from services.text.tokenizer import Tokenizer
 
-    cluster = Cluster(_config(checkpoint, prefill_workers=1, decode_workers=1)).start()
+    cluster = Cluster(_config(checkpoint, **MODES[request.param])).start()
     mc = ModelConfig.from_dir(checkpoint)
     backend = ClusterBackend(cluster, MODEL, mc.max_position_embeddings, mc.vocab_size)
     app = create_app(backend, Tokenizer.from_dir(checkpoint), request_timeout_s=120, max_n=MAX_N,
