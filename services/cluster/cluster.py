@@ -8,6 +8,7 @@ import dataclasses
 import itertools
 import threading
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 
@@ -15,7 +16,7 @@ import ray
 
 from services.common.config import ClusterConfig
 from services.common.sampling_params import SamplingParams
-from services.cluster.handles import RayDecode, RayPrefill
+from services.cluster.handles import RayDecode, RayPrefill, is_transient
 from services.decode.worker import DecodeWorker
 from services.prefill.worker import PrefillWorker
 from services.protocol.request_path import TokenDelta
@@ -24,6 +25,7 @@ from services.router.driver import RequestDriver
 
 log = logging.getLogger(__name__)
 LOAD_REFRESH_S = 0.05
+REBUILD_WAIT_S = 60.0  # the longest a request or re-drive waits for the pools to heal
 
 
 class Cluster:
@@ -42,10 +44,12 @@ class Cluster:
         self.router: Router | None = None
         self.driver: RequestDriver | None = None
         self._ids = itertools.count()
-        self._refresher: asyncio.Task | None = None
+        self._refresher: threading.Thread | None = None
+        self._refresher_stop = threading.Event()
+        self._first_refresh = threading.Event()
         self._owns_ray = False
         self.replacements = 0
-        self._healing: asyncio.Future | None = None
+        self.rebuilds = 0
         self._serving = threading.Event()  # cleared while the transfer group is rebuilt
         self._serving.set()
 
@@ -81,7 +85,11 @@ class Cluster:
             max_queued_requests=cfg.max_queued_requests, block_size=cfg.engine.cache.block_size),
             self.prefill + self.decode)
         self.driver = RequestDriver(self.router, max_attempts=cfg.max_attempts,
-                                    layer_group_size=cfg.layer_group_size, checksum=cfg.checksum)
+                                    layer_group_size=cfg.layer_group_size, checksum=cfg.checksum,
+                                    wait_until_serving=self.wait_until_serving)
+        self._start_refresher()
+        if not self._first_refresh.wait(timeout_s):
+            raise TimeoutError(f"no worker loads within {timeout_s:g}s")
         self._progress("cluster ready")
         return self
 
@@ -116,30 +124,41 @@ class Cluster:
         world, group = len(pre) + len(dec), f"tandem-kv-{uuid.uuid4().hex[:8]}"
         ranks = [w.rank for w in pre]
         in_place = self.config.kv_in_place_min_bytes
+        op_timeout = self.config.transfer_timeout_s  # every send/recv of the group is bounded
         calls = [w.actor.join_transfer_group.remote(backend, world, w.rank, group,
-                                                    in_place_min_bytes=in_place) for w in pre]
-        calls += [w.actor.join_transfer_group.remote(backend, world, w.rank, group, ranks)
-                  for w in dec]
+                                                    in_place_min_bytes=in_place,
+                                                    op_timeout_s=op_timeout) for w in pre]
+        calls += [w.actor.join_transfer_group.remote(backend, world, w.rank, group, ranks,
+                                                     op_timeout_s=op_timeout) for w in dec]
         ray.get(calls, timeout=timeout_s)
         self._progress(f"transfer group {group} ({backend}, {world} ranks) connected")
 
     def replace_dead(self, timeout_s: float = 300.0) -> list[str]:
-        """Start a new actor for every dead worker and rebuild the transfer group around it.
+        """Heal the pools: start a new actor for every dead worker, and rebuild the
+        transfer group around it or around any worker whose channel broke.
 
-        Transfers in flight during the rebuild fail and their requests are re-driven.
-        Returns the ids of the replaced workers.
+        A worker Ray cannot reach for now (``ActorUnavailableError``) is left for a
+        later round. Transfers in flight during the rebuild fail and their requests
+        are re-driven once it is done. Returns the ids of the replaced workers.
         """
-        dead = []
+        dead, broken = [], []
         for w in self.prefill + self.decode:
             try:
-                alive = ray.get(w.actor.load.remote(), timeout=10)["alive"]
-            except Exception:
-                alive = False
-            if not alive:
+                load = ray.get(w.actor.load.remote(), timeout=10)
+            except Exception as e:
+                if not is_transient(e):
+                    dead.append(w)
+                continue
+            if not load.get("engine_alive", load["alive"]):
                 dead.append(w)
-        if not dead:
+            elif load.get("transfer_broken"):
+                broken.append(w)
+        if not dead and not broken:
             return []
-        self._progress(f"replacing {', '.join(w.worker_id for w in dead)}")
+        what = [f"replacing {', '.join(w.worker_id for w in dead)}"] if dead else []
+        what += [f"rebuilding the transfer group ({', '.join(w.worker_id for w in broken)}: "
+                 "channel broken)"] if broken else []
+        self._progress("; ".join(what))
         self._serving.clear()
         try:
             self._replace(dead, timeout_s)
@@ -160,10 +179,10 @@ class Cluster:
         for w in dead:
             self.router.add_worker(w)  # same id: revives it in the router
         self.replacements += len(dead)
+        self.rebuilds += 1
 
     def shutdown(self) -> None:
-        if self._refresher is not None:
-            self._refresher.cancel()
+        self._stop_refresher()
         for w in self.prefill + self.decode:
             with contextlib.suppress(Exception):
                 ray.kill(w.actor)
@@ -171,7 +190,7 @@ class Cluster:
         if self._owns_ray:
             ray.shutdown()
 
-    # -- requests ---------------------------------------------------------------
+    # -- health: loads refreshed and workers healed from start-up -------------------
     async def refresh_loads(self) -> None:
         await asyncio.gather(*(w.refresh() for w in self.prefill + self.decode))
 
@@ -184,15 +203,46 @@ class Cluster:
         try:
             self.replace_dead()
         except Exception:
-            log.exception("replacing dead workers failed; will retry")
+            log.exception("healing the pools failed; will retry")
+
+    def _start_refresher(self) -> None:
+        """Refresh loads (and heal) on a thread of its own, from start-up to shutdown."""
+        self._refresher_stop.clear()
+        self._first_refresh.clear()
+        self._refresher = threading.Thread(target=lambda: asyncio.run(self._refresh_forever()),
+                                           name="tandem-refresher", daemon=True)
+        self._refresher.start()
+
+    def _stop_refresher(self) -> None:
+        self._refresher_stop.set()
+        if self._refresher is not None and self._refresher is not threading.current_thread():
+            self._refresher.join(timeout=30)
+        self._refresher = None
 
     async def _refresh_forever(self) -> None:
-        while True:
-            await self.refresh_loads()
+        healing: asyncio.Future | None = None
+        while not self._refresher_stop.is_set():
+            try:
+                await self.refresh_loads()
+            except Exception:  # noqa: BLE001 - never let the refresher die
+                log.exception("refreshing worker loads failed")
+            self._first_refresh.set()
             workers = self.prefill + self.decode
-            if any(not w.load().alive for w in workers) and (
-                    self._healing is None or self._healing.done()):
-                self._healing = asyncio.ensure_future(asyncio.to_thread(self._heal))
+            if any(not w.load().alive and not is_transient(w.last_error) for w in workers) \
+                    and (healing is None or healing.done()):
+                healing = asyncio.ensure_future(asyncio.to_thread(self._heal))
+            await asyncio.sleep(LOAD_REFRESH_S)
+        if healing is not None:
+            await healing
+
+    async def wait_until_serving(self, timeout_s: float = REBUILD_WAIT_S) -> None:
+        """Return once no rebuild is under way and every worker reports alive, or after
+        ``timeout_s`` (then the router places the request on what is alive)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            await self.refresh_loads()
+            if self._serving.is_set() and all(w.load().alive for w in self.prefill + self.decode):
+                return
             await asyncio.sleep(LOAD_REFRESH_S)
 
     async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -200,11 +250,8 @@ class Cluster:
         """Stream one request's deltas (token #1 from the prefill worker, then decode)."""
         if self.driver is None:
             raise RuntimeError("the cluster is not started")
-        if self._refresher is None or self._refresher.done():
-            await self.refresh_loads()
-            self._refresher = asyncio.get_running_loop().create_task(self._refresh_forever())
         if not self._serving.is_set():  # a rebuild is under way: wait for it (bounded)
-            await asyncio.to_thread(self._serving.wait, 60.0)
+            await asyncio.to_thread(self._serving.wait, REBUILD_WAIT_S)
         rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         async with contextlib.aclosing(self.driver.generate(rid, prompt_token_ids, params)) as gen:
             async for delta in gen:

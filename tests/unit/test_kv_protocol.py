@@ -23,6 +23,7 @@ class PairChannel:
 
     def __init__(self, rank: int, boxes: dict) -> None:
         self.rank, self.world_size, self.device, self._boxes = rank, 2, torch.device("cpu"), boxes
+        self.broken: str | None = None
         self.messages_sent = 0
 
     def send(self, data: torch.Tensor, dst_rank: int) -> None:
@@ -30,7 +31,7 @@ class PairChannel:
         self._boxes[(self.rank, dst_rank)].put(data.clone())
         self.messages_sent += 1
 
-    def recv(self, buf: torch.Tensor, src_rank: int) -> None:
+    def recv(self, buf: torch.Tensor, src_rank: int, idle: bool = False) -> None:
         data = self._boxes[(src_rank, self.rank)].get(timeout=10)
         assert data.numel() == buf.numel(), f"message of {data.numel()} bytes into {buf.numel()}"
         buf.copy_(data)
