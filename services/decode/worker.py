@@ -186,14 +186,16 @@ class DecodeWorker(EngineWorker):
             raise TransferFailedError(f"{rid}: no reservation on {self.worker_id}")
         tid, receiver = entry
         pt = await asyncio.to_thread(receiver.wait, tid, self.transfer_timeout_s)
+        if self._transfers.get(rid) != entry or rid in self._ending:
+            # ended meanwhile (abort, cancel): the release path owns the blocks now
+            raise TransferFailedError(f"{rid}: ended on {self.worker_id} while its KV arrived")
         if pt.status != TransferStatus.DONE:
             self.transfer_failures += 1
             self.metrics.kv_transfer_failures.inc()
             await asyncio.shield(self._end(rid))
             raise TransferFailedError(f"{rid}: KV transfer {pt.status.name}: {pt.error}")
-        if self._transfers.get(rid) == entry:  # DONE: nothing writes any more
-            del self._transfers[rid]
-            receiver.forget(tid)
+        del self._transfers[rid]  # DONE: nothing writes any more
+        receiver.forget(tid)
         self.kv_bytes_received += pt.num_bytes
         self.metrics.kv_transfer_bytes.inc(pt.num_bytes)
         self.metrics.kv_transfer_time.observe(pt.seconds)
