@@ -55,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queued-requests", type=int, default=256,
                    help="admission bound per worker; beyond it requests get 429")
     p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM/SIGINT, finish in-flight requests for up to S seconds; "
+                   "streams still running then end with an error event and [DONE]")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
 
 
@@ -125,7 +128,8 @@ def main(args: argparse.Namespace) -> int:
         progress(f"ready in {time.perf_counter() - t0:.1f}s: serving {name!r} "
                  f"({config.mode}, {config.prefill_workers}P+{config.decode_workers}D) "
                  f"at http://{args.host}:{args.port}/v1")
-        serve(app, args.host, args.port, log_level="warning", access_log=False)
+        serve(app, args.host, args.port, drain_timeout_s=args.drain_timeout,
+              log_level="warning", access_log=False)
     finally:
         progress("shutting down")
         cluster.shutdown()
