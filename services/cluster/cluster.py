@@ -251,7 +251,7 @@ class Cluster:
         if self.driver is None:
             raise RuntimeError("the cluster is not started")
         if not self._serving.is_set():  # a rebuild is under way: wait for it (bounded)
-            await asyncio.to_thread(self._serving.wait, REBUILD_WAIT_S)
+            await self.wait_until_serving()
         rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         async with contextlib.aclosing(self.driver.generate(rid, prompt_token_ids, params)) as gen:
             async for delta in gen:

@@ -75,7 +75,9 @@ class DecodeWorker(EngineWorker):
 
     def transfer_broken(self) -> str | None:
         receiver = self.receiver
-        return receiver.broken if receiver is not None else None
+        if receiver is None:
+            return "left the transfer group" if self.rank is not None else None
+        return receiver.broken
 
     def counters(self) -> dict:
         return {"kv_bytes_received": self.kv_bytes_received,

@@ -44,6 +44,7 @@ class PrefillWorker(EngineWorker):
         super().__init__(worker_id, config, "prefill", on_layer_done=self._on_layer_done,
                          niceness=niceness, on_request_failed=self._end_on_engine)
         self.sender = None
+        self._joined = False  # joined a transfer group once: without one now, it is broken
         self._descriptors: dict[str, KVTransferDescriptor] = {}
         self._by_transfer: dict[str, str] = {}  # transfer id -> request id
         self._sending: set[str] = set()  # requests whose final step ran: sends queued
@@ -56,6 +57,7 @@ class PrefillWorker(EngineWorker):
         """Become ``rank`` of the transfer group (all workers call this together)."""
         channel = open_channel(backend, world_size, rank, group_name, timeout_ms, op_timeout_s)
         self.sender = make_sender(channel, self.engine, self._on_sent, in_place_min_bytes)
+        self._joined = True
         return rank
 
     def leave_transfer_group(self) -> None:
@@ -67,7 +69,9 @@ class PrefillWorker(EngineWorker):
 
     def transfer_broken(self) -> str | None:
         sender = self.sender
-        return sender.channel.broken if sender is not None else None
+        if sender is None:
+            return "left the transfer group" if self._joined else None
+        return sender.channel.broken
 
     def counters(self) -> dict:
         sender = self.sender

@@ -52,6 +52,10 @@ class EngineWorker:
     def ready(self) -> str:
         return self.worker_id
 
+    def pid(self) -> int:
+        """The worker's process id (operators and fault tests send it signals)."""
+        return os.getpid()
+
     def compatibility(self) -> CompatibilityDescriptor:
         return compatibility(self.engine)
 
