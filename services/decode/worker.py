@@ -25,6 +25,7 @@ from services.transfer.receiver import KVReceiver
 from services.worker.engine_worker import EngineWorker
 
 log = logging.getLogger(__name__)
+STALL_TIMEOUT_S = 300.0  # a stream with no new token for this long is failed (wedged engine)
 
 
 class TransferFailedError(RuntimeError):
@@ -164,7 +165,11 @@ class DecodeWorker(EngineWorker):
                 await self._run(lambda e: e.add_request(rid, prompt, params))
             index = start
             while not done:
-                outs = [await queue.get()]
+                try:
+                    outs = [await asyncio.wait_for(queue.get(), STALL_TIMEOUT_S)]
+                except asyncio.TimeoutError:
+                    raise RequestFailedError(f"{rid}: no progress on {self.worker_id} for "
+                                             f"{STALL_TIMEOUT_S:g}s") from None
                 while not queue.empty():
                     outs.append(queue.get_nowait())
                 failed = next((o for o in outs if isinstance(o, BaseException)), None)

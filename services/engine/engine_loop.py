@@ -135,7 +135,10 @@ class EngineLoop:
         finally:
             with self._closed:
                 self._stop = True
-            self._fail_commands(EngineLoopStopped("the engine loop stopped"))
+            stopped = EngineLoopStopped("the engine loop stopped")
+            self._fail_commands(stopped)
+            for on_error in list(self._error_sinks.values()):  # streams end, none hangs
+                on_error(stopped)
 
     def _step(self) -> None:
         running = [s.seq_id for s in self.engine.scheduler.running]

@@ -108,3 +108,12 @@ def test_commands_queued_at_or_after_stop_resolve_with_an_error():
     with pytest.raises(EngineLoopStopped):
         loop.submit(lambda e: 1).result(1)
     assert not loop.alive
+
+
+def test_open_streams_end_with_an_error_when_the_loop_stops():
+    engine = FakeEngine()
+    loop = EngineLoop(engine)
+    waiting = _stream(loop, "quiet")  # a request that never produces anything
+    loop.stop()
+    with pytest.raises(EngineLoopStopped):
+        waiting.result(10)
