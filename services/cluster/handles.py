@@ -10,12 +10,14 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from services.common.sampling_params import SamplingParams
 from services.decode.worker import TransferFailedError
+from services.engine.engine_loop import EngineLoopStopped
 from services.prefill.worker import PrefillTimeoutError
 from services.protocol.messages import KVTransferDescriptor
 from services.protocol.request_path import DecodeRequest, PrefillRequest, PrefillResult, TokenDelta
 from services.router.driver import TransferError, WorkerLostError
 from services.router.errors import PrefillQueueTimeoutError
 from services.router.worker import WorkerLoad
+from services.transfer.channel import ChannelBrokenError
 
 # Ray raises this for an actor it cannot reach right now (network blip, restarting node):
 # retried, never taken for death. It subclasses RayActorError, so it is checked first.
@@ -49,7 +51,10 @@ class RayWorker:
         """Fetch a new snapshot; a worker that does not answer is reported not alive
         (until a later refresh gets an answer)."""
         try:
-            raw = await _within(self.actor.load.remote(), timeout_s)
+            # polled many times a second for the worker's life: no task events, or the
+            # GCS keeps a record of each (up to its 100,000-task cap)
+            raw = await _within(self.actor.load.options(enable_task_events=False).remote(),
+                                timeout_s)
         except Exception as e:
             self.last_error = e
             self._load = WorkerLoad(self.worker_id, self.role, alive=False)
@@ -69,8 +74,11 @@ class RayWorker:
             return WorkerLostError(self.worker_id, f"{self.role} worker {self.worker_id} lost: {e}")
         if isinstance(e, RayTaskError):
             cause = e.as_instanceof_cause()
-            if isinstance(cause, TransferFailedError):
+            if isinstance(cause, (TransferFailedError, ChannelBrokenError)):
                 return TransferError(str(cause))
+            if isinstance(cause, EngineLoopStopped):
+                return WorkerLostError(self.worker_id, f"{self.role} worker {self.worker_id}: "
+                                       f"{cause}")
             if isinstance(cause, PrefillTimeoutError):
                 return PrefillQueueTimeoutError(str(cause), RETRY_AFTER_S)
             return cause

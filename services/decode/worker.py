@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Sequence
 from services.common.config import EngineConfig
 from services.common.sampling_params import SamplingParams
 from services.engine.engine import EngineOutput
+from services.engine.engine_loop import EngineLoopStopped
 from services.protocol.messages import (KVTransferDescriptor,
                                         TransferStatus, layer_groups)
 from services.protocol.request_path import DecodeRequest, TokenDelta, TokenLogprob
@@ -173,6 +174,8 @@ class DecodeWorker(EngineWorker):
                 while not queue.empty():
                     outs.append(queue.get_nowait())
                 failed = next((o for o in outs if isinstance(o, BaseException)), None)
+                if isinstance(failed, EngineLoopStopped):
+                    raise failed  # the worker is going away: the request is re-driven
                 if failed is not None:
                     raise RequestFailedError(f"{rid} failed on {self.worker_id}: "
                                              f"{type(failed).__name__}: {failed}")

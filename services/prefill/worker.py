@@ -14,9 +14,11 @@ import logging
 
 from services.common.config import EngineConfig
 from services.engine.engine import EngineOutput, LLMEngine
+from services.engine.engine_loop import EngineLoopStopped
 from services.engine.sequence import Sequence
 from services.protocol.messages import KVTransferDescriptor
 from services.protocol.request_path import PrefillRequest, PrefillResult, TokenLogprob
+from services.transfer.channel import ChannelBrokenError
 from services.transfer.endpoint import make_sender, open_channel
 from services.transfer.layout import MIN_RUN_PLANE_BYTES
 from services.transfer.sender import SendJob, SendReport
@@ -87,8 +89,9 @@ class PrefillWorker(EngineWorker):
         (queued behind too much work), ``PrefillFailedError`` when the step running
         it raised; the request is aborted either way.
         """
-        if req.descriptor is not None and self.sender is None:
-            raise RuntimeError(f"prefill worker {self.worker_id} has not joined a transfer group")
+        if req.descriptor is not None and (broken := self.transfer_broken() or (
+                None if self.sender is not None else "not in a transfer group")):
+            raise ChannelBrokenError(f"prefill worker {self.worker_id}: {broken}")
         aio = asyncio.get_running_loop()
         first: asyncio.Future[EngineOutput] = aio.create_future()
 
@@ -110,7 +113,8 @@ class PrefillWorker(EngineWorker):
                                           f"{self.worker_id}") from None
         except BaseException as e:
             await asyncio.shield(self.abort(rid))
-            if isinstance(e, Exception) and not isinstance(e, (PrefillTimeoutError, ValueError)):
+            if isinstance(e, Exception) and not isinstance(
+                    e, (PrefillTimeoutError, ValueError, EngineLoopStopped)):
                 raise PrefillFailedError(f"{rid} failed on {self.worker_id}: "
                                          f"{type(e).__name__}: {e}") from e
             raise

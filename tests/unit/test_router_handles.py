@@ -7,10 +7,12 @@ import ray.exceptions as rex
 
 from services.cluster.handles import RayWorker, is_transient
 from services.decode.worker import TransferFailedError
+from services.engine.engine_loop import EngineLoopStopped
 from services.gateway.errors import from_backend_error
 from services.prefill.worker import PrefillTimeoutError
 from services.router.driver import TransferError, WorkerLostError
 from services.router.errors import PrefillQueueTimeoutError
+from services.transfer.channel import ChannelBrokenError
 
 
 def _task_error(cause: BaseException) -> rex.RayTaskError:
@@ -35,3 +37,7 @@ def test_a_prefill_queue_timeout_is_a_503_and_a_failed_transfer_is_re_driven():
     err = from_backend_error(timeout)
     assert err.status == 503 and "Retry-After" in err.headers
     assert isinstance(w._translate(_task_error(TransferFailedError("x"))), TransferError)
+    broken = w._translate(_task_error(ChannelBrokenError("not in a transfer group")))
+    assert isinstance(broken, TransferError)  # re-driven once the group is rebuilt
+    stopped = w._translate(_task_error(EngineLoopStopped("the engine loop stopped")))
+    assert isinstance(stopped, WorkerLostError) and not stopped.transient
