@@ -28,7 +28,7 @@ from services.engine.model.loader import load_model, resolve_dtype
 from services.engine.model_runner import ModelRunner, SampledToken
 from services.engine.sampler import Sampler, TokenLogprob
 from services.engine.scheduler import Scheduler, SchedulerOutput
-from services.engine.sequence import Sequence, SequenceStatus
+from services.engine.sequence import Sequence
 from services.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,6 @@ import signal
 import time
 
 import pytest
-import ray
 
 from services.common.config import CacheConfig, ClusterConfig, EngineConfig
 from services.common.sampling_params import SamplingParams

@@ -17,7 +17,6 @@ import torch
 from services.common.config import CacheConfig, EngineConfig
 from services.common.sampling_params import SamplingParams
 from services.engine.kv_cache.paged_cache import PagedKVCache
-from services.protocol.messages import TransferStatus
 from services.protocol.request_path import DecodeRequest
 from services.transfer.endpoint import make_receiver
 from services.transfer.sender import KVSender, SendJob
