@@ -16,6 +16,7 @@ import ray
 
 from services.common.config import ClusterConfig
 from services.common.sampling_params import SamplingParams
+from services.cluster import attach
 from services.cluster.handles import RayDecode, RayPrefill, is_transient
 from services.decode.worker import DecodeWorker
 from services.prefill.worker import PrefillWorker
@@ -36,8 +37,13 @@ class Cluster:
     """
 
     def __init__(self, config: ClusterConfig,
-                 progress: Callable[[str], None] = lambda msg: log.info(msg)) -> None:
+                 progress: Callable[[str], None] = lambda msg: log.info(msg),
+                 deployment: str | None = None) -> None:
+        """``deployment``: run the workers as detached actors under this name, so they
+        outlive the gateway and a restarted one re-attaches to them (see ``attach``)."""
         self.config = config
+        self.deployment = deployment
+        self.reattached: list[str] = []
         self._progress = progress
         self.prefill: list[RayPrefill] = []
         self.decode: list[RayDecode] = []
@@ -73,12 +79,21 @@ class Cluster:
         self._progress(f"loading {model} on {n_prefill} prefill + {n_decode} decode workers")
         self._engine = engine
         role = "both" if colocated else "decode"
-        self.prefill = [RayPrefill(self._actor(PrefillWorker, f"prefill-{i}"), f"prefill-{i}",
-                                   "prefill", rank=i) for i in range(n_prefill)]
-        self.decode = [RayDecode(self._actor(DecodeWorker, f"decode-{i}"), f"decode-{i}", role,
-                                 rank=n_prefill + i) for i in range(n_decode)]
+        attached = attach.reattach(self, n_prefill, n_decode, timeout_s) if self.deployment else {}
+        self.prefill = [RayPrefill(attached.get(f"prefill-{i}") or self._actor(
+            PrefillWorker, f"prefill-{i}"), f"prefill-{i}", "prefill", rank=i)
+            for i in range(n_prefill)]
+        self.decode = [RayDecode(attached.get(f"decode-{i}") or self._actor(
+            DecodeWorker, f"decode-{i}"), f"decode-{i}", role, rank=n_prefill + i)
+            for i in range(n_decode)]
         ray.get([w.actor.ready.remote() for w in self.prefill + self.decode], timeout=timeout_s)
+        if self.deployment:
+            attach.claim_new(self, [w for w in self.prefill + self.decode
+                                    if w.worker_id not in attached], timeout_s)
         if not colocated:
+            if attached:  # the group of the previous gateway: leave it, build a fresh one
+                ray.get([w.actor.leave_transfer_group.remote()
+                         for w in self.prefill + self.decode], timeout=timeout_s)
             self._connect(timeout_s)
         self.router = Router(RouterConfig(
             mode=cfg.mode, local_prefill_threshold=cfg.local_prefill_threshold,
@@ -99,6 +114,9 @@ class Cluster:
         opts: dict = dict(num_cpus=cfg.cpus_per_worker, num_gpus=cfg.gpus_per_worker,
                           max_concurrency=10_000,
                           name=f"tandem-{worker_id}-{uuid.uuid4().hex[:6]}")
+        if self.deployment:  # outlives this gateway; found again by name
+            opts.update(name=attach.actor_name(self.deployment, worker_id),
+                        namespace=attach.NAMESPACE, lifetime="detached")
         accel = cfg.prefill_accelerator_type if prefill else cfg.decode_accelerator_type
         if accel:
             opts["accelerator_type"] = accel
@@ -108,7 +126,14 @@ class Cluster:
         args = (worker_id, self._engine, cfg.prefill_nice) if prefill else (
             worker_id, self._engine, cfg.transfer_timeout_s,
             "both" if cfg.mode == "colocated" else "decode")
-        return ray.remote(cls).options(**opts).remote(*args)
+        for _ in range(50):  # a detached name is free again once its killed actor is gone
+            try:
+                return ray.remote(cls).options(**opts).remote(*args)
+            except ValueError as e:
+                if not self.deployment or "already taken" not in str(e):
+                    raise
+                time.sleep(0.2)
+        raise RuntimeError(f"the actor name of {worker_id} stays taken")
 
     def _connect(self, timeout_s: float) -> None:
         """Check every P-D pair's KV layout, then build one transfer group over all of them."""
@@ -181,9 +206,15 @@ class Cluster:
         self.replacements += len(dead)
         self.rebuilds += 1
 
-    def shutdown(self) -> None:
+    def shutdown(self, kill_workers: bool | None = None) -> None:
+        """Stop; the workers are killed unless they belong to a deployment (detached:
+        a restarted gateway re-attaches to them), or as ``kill_workers`` says."""
         self._stop_refresher()
+        if kill_workers is None:
+            kill_workers = self.deployment is None
         for w in self.prefill + self.decode:
+            if not kill_workers:
+                continue
             with contextlib.suppress(Exception):
                 ray.kill(w.actor)
         self.prefill, self.decode = [], []

@@ -55,6 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queued-requests", type=int, default=256,
                    help="admission bound per worker; beyond it requests get 429")
     p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--deployment", metavar="NAME",
+                   help="run the workers as detached Ray actors named after NAME: they outlive "
+                   "this gateway, and a gateway restarted with the same NAME (and --ray-address) "
+                   "re-attaches to them instead of loading the model again")
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGTERM/SIGINT, finish in-flight requests for up to S seconds; "
                    "streams still running then end with an error event and [DONE]")
@@ -119,7 +123,7 @@ def main(args: argparse.Namespace) -> int:
     keys = list(args.api_key or [])
     if os.environ.get("TANDEM_API_KEY"):
         keys.append(os.environ["TANDEM_API_KEY"])
-    cluster = Cluster(config, progress=progress).start()
+    cluster = Cluster(config, progress=progress, deployment=args.deployment).start()
     try:
         name = args.served_model_name or (Path(model).name if args.model else "tandem-small")
         backend = ClusterBackend(cluster, name, max_len, mc.vocab_size)

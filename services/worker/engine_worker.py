@@ -48,9 +48,34 @@ class EngineWorker:
         self.loop = EngineLoop(self.engine, on_layer_done=on_layer_done,
                                on_request_failed=on_request_failed)
         self.transfer_failures = 0
+        self._generation, self._identity = 0, None  # of the gateway that owns this worker
 
     def ready(self) -> str:
         return self.worker_id
+
+    # -- ownership by a gateway (detached workers re-attached after a restart) ------
+    def owner_generation(self) -> int:
+        return self._generation
+
+    def claim(self, generation: int, identity: str) -> str:
+        """A gateway takes this worker over: ``"claimed"``; ``"stale"`` when a gateway
+        of a later generation holds it; ``"mismatch"`` when built from another config."""
+        if generation <= self._generation:
+            return "stale"
+        if self._identity is not None and identity != self._identity:
+            return "mismatch"
+        self._generation, self._identity = generation, identity
+        return "claimed"
+
+    async def abort_all(self) -> int:
+        """Abort every request (those of a gateway that is gone); returns how many."""
+        rids = list(self.loop.snapshot.get("request_ids", ()))
+        for rid in rids:
+            await self.abort(rid)
+        return len(rids)
+
+    async def abort(self, request_id: str) -> None:
+        raise NotImplementedError
 
     def pid(self) -> int:
         """The worker's process id (operators and fault tests send it signals)."""
