@@ -62,6 +62,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queued-requests", type=int, default=256,
                    help="admission bound per worker; beyond it requests get 429")
     p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--deployment", metavar="NAME",
+                   help="run the workers as detached Ray actors named after NAME: they outlive "
+                   "this gateway, and a gateway restarted with the same NAME (and --ray-address) "
+                   "re-attaches to them instead of loading the model again")
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM/SIGINT, finish in-flight requests for up to S seconds; "
+                   "streams still running then end with an error event and [DONE]")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
 
 
@@ -127,7 +134,7 @@ def main(args: argparse.Namespace) -> int:
     mc = ModelConfig.from_dir(model)
     tokenizer = Tokenizer.from_dir(model)
     max_len = min(config.engine.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-    cluster = Cluster(config, progress=progress).start()
+    cluster = Cluster(config, progress=progress, deployment=args.deployment).start()
     try:
         name = args.served_model_name or (Path(model).name if args.model else "tandem-small")
         backend = ClusterBackend(cluster, name, max_len, mc.vocab_size)
@@ -137,7 +144,8 @@ def main(args: argparse.Namespace) -> int:
         progress(f"ready in {time.perf_counter() - t0:.1f}s: serving {name!r} "
                  f"({config.mode}, {config.prefill_workers}P+{config.decode_workers}D) "
                  f"at http://{args.host}:{args.port}/v1")
-        serve(app, args.host, args.port, log_level="warning", access_log=False)
+        serve(app, args.host, args.port, drain_timeout_s=args.drain_timeout,
+              log_level="warning", access_log=False)
     finally:
         progress("shutting down")
         cluster.shutdown()
