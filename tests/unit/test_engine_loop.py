@@ -42,12 +42,12 @@ class FakeEngine:
         if any(r.startswith("bad") for r in ids):
             raise RuntimeError("NaN in the logits")
         self.scheduler.running = []
-        return [EngineOutput(r, [1], "", True, None, 1, 1, 0) for r in ids]
+        return [EngineOutput(r, [1], True, None, 1, 1, 0) for r in ids]
 
     def abort(self, rid: str) -> EngineOutput:
         self.aborted.append(rid)
         self.scheduler.running = [s for s in self.scheduler.running if s.seq_id != rid]
-        return EngineOutput(rid, [], "", True, None, 1, 0, 0)
+        return EngineOutput(rid, [], True, None, 1, 0, 0)
 
     def load_snapshot(self) -> dict:
         self.snapshots += 1
