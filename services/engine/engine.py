@@ -119,7 +119,7 @@ class LLMEngine:
         re-drive): they are prefilled with the prompt, count towards ``max_tokens``
         and the penalties, and generation continues at output index ``len(...)``.
         """
-        if self.scheduler.get(request_id) is not None or request_id in self._reserved:
+        if self.scheduler.get(request_id) is not None:  # reservations included
             raise ValueError(f"request id {request_id!r} is already in use")
         done = list(output_token_ids)
         self.validate(list(prompt_token_ids) + done, params)
