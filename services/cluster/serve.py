@@ -8,7 +8,6 @@ import logging
 import os
 import sys
 import time
-from pathlib import Path
 
 from services.common.config import KV_IN_PLACE_MIN_BYTES
 
@@ -16,8 +15,12 @@ log = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="local HF folder (default: the embedded model)")
-    p.add_argument("--served-model-name", default=None, help="model id in the API (default: folder name)")
+    p.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
+                   help="a model folder, a .gguf file or a Hugging Face repo id "
+                   "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help="same as MODEL")
+    p.add_argument("--served-model-name", default=None,
+                   help="model id in the API (default: the model's own name)")
     p.add_argument("--mode", default="disaggregated", choices=["disaggregated", "colocated", "conditional"])
     p.add_argument("--prefill-workers", type=int, default=1)
     p.add_argument("--decode-workers", type=int, default=1)
@@ -68,11 +71,19 @@ def _resources(items: list[str]) -> tuple[tuple[str, float], ...]:
     return tuple(out)
 
 
+def model_spec(args: argparse.Namespace) -> str | None:
+    """MODEL, or ``--model``; naming two different models is an error."""
+    positional, flag = getattr(args, "model_arg", None), args.model
+    if positional and flag and positional != flag:
+        raise ValueError(f"two models named: {positional!r} and --model {flag!r}")
+    return positional or flag
+
+
 def build_config(args: argparse.Namespace):
     from services.common.config import CacheConfig, ClusterConfig, EngineConfig, SchedulerConfig
 
     engine = EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        model=model_spec(args), dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         cache=CacheConfig(block_size=args.block_size, memory_gb=args.kv_cache_gb),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens))
@@ -94,8 +105,8 @@ def build_config(args: argparse.Namespace):
 def main(args: argparse.Namespace) -> int:
     from services.cluster.backend import ClusterBackend
     from services.cluster.cluster import Cluster
-    from services.engine.default_model import default_model_path
     from services.engine.model.config import ModelConfig
+    from services.engine.model_source import resolve_model
     from services.gateway.app import create_app
     from services.gateway.server import serve
     from services.text.tokenizer import Tokenizer
@@ -105,10 +116,9 @@ def main(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     config = build_config(args)
-    if config.engine.model is None:
-        progress("preparing the embedded default model")
-        config = dataclasses.replace(config, engine=dataclasses.replace(
-            config.engine, model=str(default_model_path())))
+    progress(f"preparing {config.engine.model or 'the embedded default model'}")
+    resolved = resolve_model(config.engine.model)
+    config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, model=str(resolved.path)))
     model = config.engine.model
     mc = ModelConfig.from_dir(model)
     tokenizer = Tokenizer.from_dir(model)
@@ -118,7 +128,7 @@ def main(args: argparse.Namespace) -> int:
         keys.append(os.environ["TANDEM_API_KEY"])
     cluster = Cluster(config, progress=progress).start()
     try:
-        name = args.served_model_name or (Path(model).name if args.model else "tandem-small")
+        name = args.served_model_name or resolved.name
         backend = ClusterBackend(cluster, name, max_len, mc.vocab_size)
         app = create_app(backend, tokenizer, api_keys=keys, max_body_bytes=args.max_body_bytes,
                          request_timeout_s=args.request_timeout)

@@ -42,14 +42,9 @@ def reference(real_model_gguf: Path) -> dict:
     outputs = []
     with torch.no_grad():
         for ids in prompts:
-            ids, new = list(ids), []
-            for _ in range(MAX_NEW):
-                token = int(hf(torch.tensor([ids])).logits[0, -1].argmax())
-                new.append(token)
-                ids.append(token)
-                if token == EOS:
-                    break
-            outputs.append(new)
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False,
+                              eos_token_id=EOS, pad_token_id=EOS)
+            outputs.append(out[0, len(ids):].tolist())
     return {"tokenizer": tok, "prompts": prompts, "outputs": outputs}
 
 
