@@ -86,11 +86,13 @@ class LLM:
 
     def chat(self, messages: list[dict] | Seq[list[dict]],
              sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
-        """Apply the checkpoint's chat template to each conversation, then generate."""
+        """Apply the checkpoint's chat template to each conversation, then generate.
+
+        Special-token text inside a message is tokenized as plain text (see
+        :meth:`Tokenizer.encode_chat`).
+        """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True)
-                   for c in conversations]
-        ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        ids = [self.tokenizer.encode_chat(list(c), add_generation_prompt=True) for c in conversations]
         return self.generate(ids, sampling_params)
 
     def _run(self, requests: list[tuple[str | None, list[int], SamplingParams]]

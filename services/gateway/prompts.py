@@ -58,11 +58,10 @@ def _message_dict(m: ChatMessage) -> dict[str, Any]:
 def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer, vocab_size: int) -> list[int]:
     """Token ids of the rendered chat template (its text already holds BOS and the like)."""
     messages = [_message_dict(m) for m in req.messages]
-    try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    try:  # special-token text inside a message stays plain text
+        ids = tokenizer.encode_chat(messages, add_generation_prompt=True)
     except ValueError as e:
         raise bad_request(str(e), param="messages") from e
-    ids = tokenizer.encode(text, add_special_tokens=False)
     if not ids:
         raise bad_request("the chat template rendered an empty prompt", param="messages")
     check_token_ids(ids, vocab_size, "messages")
