@@ -84,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve_cmd.add_arguments(srv)
     srv.set_defaults(func=serve_cmd.main)
 
+    from services.cluster import chat as chat_cmd
+
+    chat = sub.add_parser("chat", help="chat in the terminal with a server (--url) or a local model")
+    chat_cmd.add_arguments(chat)
+    chat.set_defaults(func=chat_cmd.main)
+
     mk = sub.add_parser("make-model", help="write a seeded random checkpoint")
     mk.add_argument("--preset", default="small", choices=["tiny", "small", "bench"])
     mk.add_argument("--out", required=True)
