@@ -45,3 +45,11 @@ def real_model_dir(real_model_gguf) -> Path:
     from services.engine.default_model import default_model_path
 
     return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def real_model_reference(real_model_gguf) -> dict:
+    """transformers on the same GGUF: tokenizer, chat prompts, greedy outputs (computed once)."""
+    from tests.real_model import transformers_reference
+
+    return transformers_reference(real_model_gguf)

@@ -8,44 +8,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from services.common.sampling_params import SamplingParams
 from services.engine import LLM
+from tests.real_model import MAX_NEW, QUESTIONS
+from tests.real_model import messages as _messages
 
 pytestmark = pytest.mark.real_model
 
-QUESTIONS = [
-    "What is the capital of France?",
-    "Name three primary colors.",
-    "Write a haiku about the sea.",
-    "What is the boiling point of water in Celsius?",
-]
-MAX_NEW = 16
-EOS = 2  # <|im_end|>
-
-
-def _messages(question: str) -> list[dict[str, str]]:
-    return [{"role": "user", "content": question}]
-
 
 @pytest.fixture(scope="module")
-def reference(real_model_gguf: Path) -> dict:
-    """transformers' model and tokenizer from the GGUF, and its greedy continuations."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    kw = dict(gguf_file=real_model_gguf.name)
-    tok = AutoTokenizer.from_pretrained(real_model_gguf.parent, **kw)
-    hf = AutoModelForCausalLM.from_pretrained(real_model_gguf.parent, dtype=torch.float32, **kw).eval()
-    prompts = [tok.apply_chat_template(_messages(q), add_generation_prompt=True, tokenize=True,
-                                       return_dict=False) for q in QUESTIONS]
-    outputs = []
-    with torch.no_grad():
-        for ids in prompts:
-            out = hf.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False,
-                              eos_token_id=EOS, pad_token_id=EOS)
-            outputs.append(out[0, len(ids):].tolist())
-    return {"tokenizer": tok, "prompts": prompts, "outputs": outputs}
+def reference(real_model_reference) -> dict:
+    return real_model_reference
 
 
 @pytest.fixture(scope="module")
