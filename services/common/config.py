@@ -132,7 +132,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+            raise ValueError(f"unsupported dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
         check_device(self.device)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

@@ -48,8 +48,8 @@ def resolve_model(spec: str | Path | None) -> ResolvedModel:
             raise ValueError(f"{path} is neither a model folder nor a GGUF file")
         return ResolvedModel(converted_path(path), path.stem)
     if text.endswith(".gguf") or text.startswith((".", "/", "~")) or not _REPO_ID.match(text):
-        raise FileNotFoundError(f"model not found: {text} (a model folder, a .gguf file or a "
-                                "Hugging Face repo id such as HuggingFaceTB/SmolLM2-135M-Instruct)")
+        raise FileNotFoundError(f"model not found: {text} (expected a folder with config.json, a .gguf "
+                                "file or a Hugging Face repo id such as HuggingFaceTB/SmolLM2-135M-Instruct)")
     return ResolvedModel(_download(text), text)
 
 

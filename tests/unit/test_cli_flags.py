@@ -108,7 +108,7 @@ def test_router_and_cluster_share_their_defaults():
 def test_configs_validate_choices():
     with pytest.raises(ValueError, match="mode must be one of disaggregated, colocated, conditional"):
         ClusterConfig(mode="split")
-    with pytest.raises(ValueError, match="dtype must be one of"):
+    with pytest.raises(ValueError, match="unsupported dtype 'fp8'; choose one of auto, float32"):
         EngineConfig(dtype="fp8")
     with pytest.raises(ValueError, match="device must be"):
         EngineConfig(device="gpu")
