@@ -13,7 +13,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from services.engine.model.gguf_loader import (  # noqa: E402
-    SUPPORTED_TYPES, dequantize_tensor, hf_config, hf_tensor_name, unpermute_qk)
+    SUPPORTED_TYPES, dequantize_tensor, hf_config, hf_tensor_name, llama3_rope_scaling, unpermute_qk)
 
 ROWS, COLS = 3, 512  # two K-quant super-blocks per row
 # Byte offsets of the fp16 scales in each K-quant block (the rest is any bit pattern).
@@ -133,3 +133,31 @@ def test_config_from_metadata_and_errors():
     assert hf_tensor_name("output.weight") == "lm_head.weight"
     with pytest.raises(ValueError, match="unexpected GGUF tensor 'blk.0.ffn_gate_exps.weight'"):
         hf_tensor_name("blk.0.ffn_gate_exps.weight")
+
+
+def _llama_cpp_rope_factors(theta: float, dim: int, factor: float, low: float, high: float,
+                            old: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf.py: the rope_freqs it writes for Llama 3.1+ scaling."""
+    import math
+
+    out = []
+    for freq in 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim)):
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def test_llama3_rope_scaling_is_recovered_from_rope_freqs():
+    factors = _llama_cpp_rope_factors(500000.0, 64, 32.0, 1.0, 4.0, 8192)  # Llama 3.2
+    assert llama3_rope_scaling(factors, 500000.0, 64, 8192) == {
+        "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192}
+    other = _llama_cpp_rope_factors(500000.0, 64, 8.0, 2.0, 4.0, 8192)
+    with pytest.raises(ValueError, match="rope_freqs"):
+        llama3_rope_scaling(other, 500000.0, 64, 8192)

@@ -120,6 +120,28 @@ def _rope_scaling(key: Any) -> dict[str, Any] | None:
     return {"rope_type": "linear", "factor": float(key("rope.scaling.factor", 1.0))}
 
 
+def llama3_rope_scaling(factors: np.ndarray, theta: float, head_dim: int,
+                        original_context: int) -> dict[str, Any]:
+    """The ``llama3`` rope scaling whose per-frequency divisors llama.cpp stored as ``rope_freqs``.
+
+    factors: [head_dim // 2]. GGUF keeps only the divisors; the scaling factor is their
+    maximum, and the low/high frequency factors are Llama 3's (1, 4), checked by
+    recomputing every divisor. Raises ValueError when they do not reproduce the file's.
+    """
+    scaling = {"rope_type": "llama3", "factor": float(factors.max()), "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": int(original_context)}
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * np.pi / freqs
+    low, high = original_context / 1.0, original_context / 4.0
+    smooth = (original_context / wavelen - 1.0) / (4.0 - 1.0)
+    expected = np.where(wavelen < high, 1.0, np.where(
+        wavelen > low, scaling["factor"], 1 / ((1 - smooth) / scaling["factor"] + smooth)))
+    if factors.shape != expected.shape or not np.allclose(factors, expected, rtol=1e-4):
+        raise ValueError("unsupported per-frequency RoPE factors (rope_freqs): they are not Llama 3's "
+                         "scaling with low/high frequency factors 1 and 4")
+    return scaling
+
+
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's per-head row interleave of a Q or K projection.
 
@@ -176,9 +198,12 @@ def convert(gguf_path: str | Path, out_dir: str | Path) -> Path:
     config = hf_config(meta)
     tok, tok_config = tokenizer_from_gguf(meta)
     permuted = ARCHITECTURES[meta["general.architecture"]][1]
-    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
-        raise ValueError(f"{src.name}: per-frequency RoPE factors (rope_freqs, Llama 3.1+ "
-                         "scaling) are not supported")
+    for tensor in reader.tensors:
+        if tensor.name == "rope_freqs.weight":
+            original = meta.get(f"{meta['general.architecture']}.rope.scaling.original_context_length")
+            config["rope_scaling"] = llama3_rope_scaling(
+                dequantize_tensor(tensor).reshape(-1), config["rope_theta"], config["head_dim"],
+                original or 8192)
     weights: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name)
