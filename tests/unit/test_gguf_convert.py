@@ -115,3 +115,18 @@ def test_not_a_gguf(tmp_path):
     bad.write_bytes(b"nope")
     with pytest.raises(ValueError, match="is not a GGUF file"):
         convert(bad, tmp_path / "out")
+
+
+def test_llm_loads_a_gguf_path_like_its_source_folder(tiny_gguf, tiny_model_dir, tmp_path, monkeypatch):
+    from services.common.sampling_params import SamplingParams
+    from services.engine import LLM
+    from services.engine.model_source import resolve_model
+
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    resolved = resolve_model(str(tiny_gguf))
+    assert resolved.name == "tiny" and resolved.path.is_relative_to(tmp_path / "models" / "gguf")
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    from_gguf = LLM(str(tiny_gguf)).generate(["Hello world", "def f(x):"], params)
+    from_folder = LLM(str(tiny_model_dir)).generate(["Hello world", "def f(x):"], params)
+    assert [o.outputs[0].token_ids for o in from_gguf] == [o.outputs[0].token_ids for o in from_folder]
+    assert [o.prompt_token_ids for o in from_gguf] == [o.prompt_token_ids for o in from_folder]
