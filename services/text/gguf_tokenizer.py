@@ -7,7 +7,9 @@ fields (special tokens, chat template) so :class:`services.text.tokenizer.Tokeni
 reads a converted GGUF exactly like any other model folder.
 
 Supported: byte-level BPE (``tokenizer.ggml.model == "gpt2"``: Llama 3, Qwen2/3,
-SmolLM, StarCoder, ...). SentencePiece vocabularies raise a clear ``ValueError``.
+SmolLM, StarCoder, ...) and SentencePiece BPE with byte fallback (``"llama"``: Llama 2,
+Mistral 7B, ...; merges rebuilt from the token scores as transformers does). Other
+vocabularies raise a clear ``ValueError``.
 """
 
 from __future__ import annotations
@@ -73,24 +75,13 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     return pre_tokenizers.Sequence(steps)
 
 
-def tokenizer_from_gguf(meta: Mapping[str, Any]) -> tuple[tokenizers.Tokenizer, dict[str, Any]]:
-    """Build ``(tokenizer, tokenizer_config)`` from GGUF metadata.
-
-    ``meta`` maps GGUF keys (``tokenizer.ggml.tokens``, ``tokenizer.ggml.merges``, ...)
-    to plain Python values. Raises ``ValueError`` for vocabularies it cannot rebuild.
-    """
-    kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (tokenizer.ggml.model); "
-                         "only byte-level BPE ('gpt2') is supported")
-    tokens: list[str] = list(meta.get("tokenizer.ggml.tokens") or [])
+def _byte_level(meta: Mapping[str, Any], tokens: list[str], types: list[int]) -> tokenizers.Tokenizer:
     merges: list[str] = list(meta.get("tokenizer.ggml.merges") or [])
-    if not tokens or not merges:
-        raise ValueError("the GGUF file has no tokenizer.ggml.tokens / tokenizer.ggml.merges")
-    types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    if not merges:
+        raise ValueError("the GGUF file has no tokenizer.ggml.merges for its byte-level vocabulary")
     alphabet = set(_byte_to_unicode().values())
     spelling = _byte_to_unicode()
-    vocab = {}
+    vocab: dict[str, int] = {}
     for i, tok in enumerate(tokens):  # a few files store added tokens as raw text: respell them
         key = tok if set(tok) <= alphabet or types[i] in (_CONTROL, _USER_DEFINED) \
             else "".join(spelling[b] for b in tok.encode("utf-8"))
@@ -102,6 +93,60 @@ def tokenizer_from_gguf(meta: Mapping[str, Any]) -> tuple[tokenizers.Tokenizer, 
     tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=ignore_merges))
     tok.pre_tokenizer = _pre_tokenizer(pre)
     tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _sp_merges(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """BPE merges implied by a SentencePiece vocabulary: best-scored merged piece first."""
+    merges = []
+    for piece, score in scores.items():
+        local = [(piece[:i], piece[i:], score) for i in range(1, len(piece))
+                 if piece[:i] in vocab and piece[i:] in vocab]
+        merges.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
+
+
+def _sentencepiece(meta: Mapping[str, Any], tokens: list[str]) -> tokenizers.Tokenizer:
+    scores = list(meta.get("tokenizer.ggml.scores") or [])
+    if len(scores) != len(tokens):
+        raise ValueError("the GGUF file's SentencePiece vocabulary has no tokenizer.ggml.scores")
+    vocab: dict[str, int] = {}
+    for i, tok in enumerate(tokens):
+        vocab.setdefault(tok, i)
+    piece_scores = {tok: float(scores[i]) for tok, i in vocab.items()}
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    unk = tokens[unk_id] if isinstance(unk_id, int) and 0 <= unk_id < len(tokens) else None
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=_sp_merges(vocab, piece_scores), unk_token=unk,
+                                          fuse_unk=True, byte_fallback=True))
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first" if prefix else "never",
+                                                 split=False)
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prefix:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    tok.decoder = decoders.Sequence(steps)
+    return tok
+
+
+def tokenizer_from_gguf(meta: Mapping[str, Any]) -> tuple[tokenizers.Tokenizer, dict[str, Any]]:
+    """Build ``(tokenizer, tokenizer_config)`` from GGUF metadata.
+
+    ``meta`` maps GGUF keys (``tokenizer.ggml.tokens``, ``tokenizer.ggml.merges``, ...)
+    to plain Python values. Raises ``ValueError`` for vocabularies it cannot rebuild.
+    """
+    kind = meta.get("tokenizer.ggml.model")
+    tokens: list[str] = list(meta.get("tokenizer.ggml.tokens") or [])
+    if not tokens:
+        raise ValueError("the GGUF file has no tokenizer.ggml.tokens")
+    types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    if kind == "gpt2":
+        tok = _byte_level(meta, tokens, types)
+    elif kind == "llama":
+        tok = _sentencepiece(meta, tokens)
+    else:
+        raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (tokenizer.ggml.model); "
+                         "supported: 'gpt2' (byte-level BPE), 'llama' (SentencePiece BPE)")
     tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
                             for i, t in enumerate(types) if t == _CONTROL])
     tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
@@ -112,12 +157,13 @@ def tokenizer_from_gguf(meta: Mapping[str, Any]) -> tuple[tokenizers.Tokenizer, 
         return tokens[idx] if isinstance(idx, int) and 0 <= idx < len(tokens) else None
 
     bos = named("bos_token_id")
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
+    # llama.cpp adds BOS to SentencePiece vocabularies unless the file says otherwise
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama")) and bos is not None
     if add_bos:
         bos_id = tokens.index(bos)
         tok.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
-    else:
+    elif kind == "gpt2":
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
     config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
