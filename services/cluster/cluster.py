@@ -62,14 +62,14 @@ class Cluster:
 
     # -- lifecycle --------------------------------------------------------------
     def start(self, timeout_s: float = 300.0) -> Cluster:
-        from services.engine.default_model import default_model_path
+        from services.engine.model_source import resolve_model
 
         cfg = self.config
         if not ray.is_initialized():
             self._progress("starting Ray (loopback only)" if cfg.ray_address is None
                            else f"joining Ray at {cfg.ray_address}")
             self._ray.start()
-        model = cfg.engine.model or str(default_model_path())
+        model = str(resolve_model(cfg.engine.model).path)
         engine = dataclasses.replace(cfg.engine, model=model, num_threads=cfg.threads_per_worker)
         colocated = cfg.mode == "colocated"
         n_prefill = 0 if colocated else cfg.prefill_workers

@@ -53,13 +53,13 @@ class LLMEngine:
     """One model replica on one device, with its paged cache, scheduler and sampler."""
 
     def __init__(self, config: EngineConfig, *, metrics: WorkerMetrics | None = None) -> None:
-        from services.engine.default_model import default_model_path
+        from services.engine.model_source import resolve_model
 
         self.config = config
         self.metrics = metrics
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        self.model_path = str(config.model or default_model_path())
+        self.model_path = str(resolve_model(config.model).path)
         self.model_config = ModelConfig.from_dir(self.model_path)
         mc = self.model_config
         self.device = torch.device(config.device)

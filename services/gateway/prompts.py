@@ -113,11 +113,15 @@ def _message_dict(m: ChatMessage) -> dict[str, Any]:
     return d
 
 
-def _render(tokenizer: Tokenizer, messages: list[dict[str, Any]]) -> str:
-    try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+def _encode_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], vocab_size: int,
+                 max_model_len: int) -> list[int]:
+    try:  # special-token text inside a message stays plain text
+        ids = tokenizer.encode_chat(messages, add_generation_prompt=True)
     except ValueError as e:
         raise bad_request(str(e), param="messages") from e
+    max_tokens_for(None, len(ids), max_model_len, default=1, prompt_param="messages")
+    check_token_ids(ids, vocab_size, "messages")
+    return ids
 
 
 async def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer, vocab_size: int,
@@ -128,8 +132,7 @@ async def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer, vocab_si
     limit = await _off_loop(max_prompt_bytes, tokenizer, max_model_len)
     if size > limit:
         raise _too_long(size, limit, max_model_len, "messages")
-    text = await _off_loop(_render, tokenizer, messages)
-    ids = await _off_loop(_encode_checked, tokenizer, text, False, vocab_size, max_model_len, "messages")
+    ids = await _off_loop(_encode_chat, tokenizer, messages, vocab_size, max_model_len)
     if not ids:
         raise bad_request("the chat template rendered an empty prompt", param="messages")
     return ids
