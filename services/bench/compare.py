@@ -16,6 +16,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from services.bench import runinfo
 from services.bench import serve as serve_bench
 
 SYSTEMS = ("disaggregated", "colocated", "conditional")
@@ -87,6 +88,7 @@ def print_table(table: dict[str, Any], labels: list[str]) -> None:
     others = [lb for lb in labels if lb != table["baseline"]]
     head = f"{'':28}" + "".join(f"{lb:>15}" for lb in labels) + "".join(
         f"{lb[:8] + '/' + table['baseline'][:6]:>17}" for lb in others)
+    print(runinfo.machine_line())
     print(head)
     for row in table["rows"]:
         fmt = ".0%" if row["metric"].startswith("SLO") else (".2f" if "goodput" in row["metric"] else ".1f")

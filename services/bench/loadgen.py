@@ -2,8 +2,9 @@
 concurrently, and returns one record per request (failures included, by kind).
 
 Bounded in count (the requests given) and in time: each request has ``request_timeout_s``
-and the whole run ``max_duration_s``; what is still waiting or in flight then is
-cancelled and recorded as error ``deadline`` (never dropped). Besides the client's error
+and the whole run ``max_duration_s``; what is still in flight then is cancelled and
+recorded as error ``deadline``, and what was not sent yet is recorded as not sent
+(``sent: false``, no error: the server never saw it). Nothing is dropped. Besides the client's error
 kinds (``services.bench.client``), a stream that ends without any token is ``no_tokens``.
 """
 
@@ -41,7 +42,7 @@ def make_record(req: BenchRequest, scheduled_s: float, res: StreamResult, t0: fl
                           else len(res.token_times)),
         "chunks": len(res.token_times),
         "multi_token_chunks": sum(1 for n in res.chunk_tokens if n is not None and n > 1),
-        "ok": ok, "status": res.status,
+        "ok": ok, "sent": True, "status": res.status,
         "error": res.error, "error_detail": res.detail,
     }
     done = res.done_t if res.done_t is not None else time.perf_counter()
@@ -56,9 +57,10 @@ def _deadline_record(req: BenchRequest, scheduled_s: float, sent: bool) -> dict[
     return {"index": req.index, "kind": req.kind, "scheduled_s": scheduled_s, "sent_s": None,
             "expected_prompt_tokens": req.prompt_len, "expected_output_tokens": req.output_len,
             "prompt_tokens": None, "output_tokens": 0, "chunks": 0, "multi_token_chunks": 0,
-            "ok": False, "status": None,
-            "error": "deadline", "error_detail": "in flight at the run deadline" if sent
-            else "not sent before the run deadline",
+            "ok": False, "sent": sent, "status": None,
+            "error": "deadline" if sent else None,
+            "error_detail": "in flight at the run deadline" if sent
+            else "not sent before the run deadline (--max-duration)",
             "ttft_s": None, "itl_s": [], "tpot_s": None, "e2e_s": None}
 
 
@@ -137,7 +139,7 @@ async def run_requests(url: str, model: str, requests: Sequence[BenchRequest], o
     for i, req in enumerate(requests):
         if i not in records:
             records[i] = _deadline_record(req, offsets[i], i in sent)
-            bar.errors += 1
+            bar.errors += i in sent
     bar.show(final=True)
     ends = [r["sent_s"] + r["e2e_s"] for r in records.values() if r["e2e_s"] is not None]
     duration = end - t0 if len(ends) < len(requests) else max(ends, default=end - t0)

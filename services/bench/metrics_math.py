@@ -100,7 +100,13 @@ def _stats_ms(values_s: Iterable[float]) -> dict[str, float | None]:
 
 
 def summarize(records: Sequence[Mapping[str, Any]], duration_s: float, slo: SLO) -> dict[str, Any]:
-    """Counts, errors by kind, latency percentiles (ms), throughput and SLO attainment of one run."""
+    """Counts, errors by kind, latency percentiles (ms), throughput and SLO attainment of one run.
+
+    Requests the run's time budget cut before they were sent (``sent: false``) are counted
+    as ``not_sent`` and left out of everything else: the server never saw them.
+    """
+    not_sent = sum(1 for r in records if r.get("sent") is False)
+    records = [r for r in records if r.get("sent") is not False]
     ok = [r for r in records if r.get("ok")]
     errors = Counter(r["error"] for r in records if not r.get("ok"))
     out_tokens = sum(r.get("output_tokens") or 0 for r in ok)
@@ -109,7 +115,8 @@ def summarize(records: Sequence[Mapping[str, Any]], duration_s: float, slo: SLO)
     good = sum(meets(r, slo) for r in records)
     per_s = (lambda x: x / duration_s) if duration_s > 0 else (lambda x: None)
     return {
-        "requests": len(records), "completed": len(ok), "failed": len(records) - len(ok),
+        "requests": len(records), "not_sent": not_sent, "completed": len(ok),
+        "failed": len(records) - len(ok),
         "errors": dict(sorted(errors.items())),
         "duration_s": duration_s,
         "ttft_ms": _stats_ms(r.get("ttft_s") for r in ok),

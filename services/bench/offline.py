@@ -14,6 +14,8 @@ import random
 import statistics
 import time
 
+from services.bench import runinfo
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="local HF folder (default: the bench preset)")
@@ -123,6 +125,7 @@ def main(args: argparse.Namespace) -> int:
     result.update(weight_mb=weights / 1e6, read_gb_s=bw, decode_floor_ms=floor_ms,
                   decode_step_ms=step_ms, decode_vs_floor=floor_ms / step_ms)
 
+    print(runinfo.machine_line())
     print(f"model {path}: {args.num_prompts} prompts x ({args.input_len} in, "
           f"{args.output_len} out), {args.threads} threads")
     print(f"  tandem engine       {result['tandem_tok_s']:8.1f} output tok/s")

@@ -69,3 +69,11 @@ def describe() -> dict:
             "python": platform.python_version(),
             "versions": {name: _version(name) for name in PACKAGES},
             "git_commit": _git_commit(), "machine": machine()}
+
+
+def machine_line() -> str:
+    """One line for a benchmark's printed figures: CPU model, usable cores, load average now."""
+    m = machine()
+    load = "/".join(f"{x:.2f}" for x in m["load_avg_at_start"]) if m["load_avg_at_start"] else "?"
+    return (f"machine: {m['cpu'] or m['machine']}, {m['cpus_usable'] or m['cpu_count']} usable cores, "
+            f"load average {load} (1/5/15 min)")

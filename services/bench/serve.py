@@ -217,6 +217,12 @@ def print_summary(result: dict[str, Any]) -> None:
               f"{fmt_num(o['p50'],'.1f')+'/'+fmt_num(o['p90'],'.1f')+'/'+fmt_num(o['p99'],'.1f'):>17} "
               f"{fmt_num(i['p90'])+'/'+fmt_num(i['p99']):>12} {fmt_num(s['e2e_ms']['p90']):>8} "
               f"{fmt_num(s['throughput']['output_tokens_per_s']):>9} {fmt_num(s['attainment']['both'], '.0%'):>6}")
+    cut = [(rate_label(r["rate"]), r["summary"].get("not_sent", 0)) for r in result["runs"]]
+    if any(n for _, n in cut):
+        print("WARNING: requests NOT SENT because a rate's run reached --max-duration "
+              f"({result['config']['max_duration_s']:g} s); they are not errors and are left out of "
+              "every figure above: " + ", ".join(f"{n} at {rate} req/s" for rate, n in cut if n))
+    print(runinfo.machine_line())
     g = result["goodput"]
     print(f"goodput: {g['interpolated_rps']:.2f} req/s interpolated ({g['rps']:g} swept)"
           + ("" if g["bounded"] else "  (every rate met the SLO: a lower bound, sweep higher)"))

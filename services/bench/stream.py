@@ -14,6 +14,7 @@ import asyncio
 import json
 import time
 
+from services.bench import runinfo
 from services.bench.client import completion_body, first_model, stream_completion
 from services.bench.metrics_math import percentile
 
@@ -101,6 +102,7 @@ def main(args: argparse.Namespace) -> int:
     result.update(itl_p50_ms=percentile(itl, 50), itl_p99_ms=percentile(itl, 99),
                   engine_step_p50_ms=percentile(steps, 50), engine_step_p99_ms=percentile(steps, 99),
                   overhead_p50_ms=over[50], overhead_p99_ms=over[99])
+    print(runinfo.machine_line())
     print(f"one stream of {args.tokens} tokens ({model}):")
     print(f"  client inter-token gap  p50 {result['itl_p50_ms']:.2f} ms  p99 {result['itl_p99_ms']:.2f} ms")
     print(f"  engine decode step      p50 {result['engine_step_p50_ms']:.2f} ms  "

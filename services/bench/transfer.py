@@ -22,6 +22,8 @@ import json
 import statistics
 import time
 
+from services.bench import runinfo
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="local HF folder (default: the bench preset)")
@@ -201,6 +203,7 @@ def main(args: argparse.Namespace) -> int:
     result: dict = {"model": model}
     rows = bandwidth(model, [float(s) for s in args.sizes_mb.split(",")], args.repeats)
     result["bandwidth"] = rows
+    print(runinfo.machine_line())
     print(f"KV transfer vs raw gloo send/recv, same bytes, same run ({model}):")
     print("(KV/layer, KV/1grp: runs sent in place where they pay off, per-layer groups or one "
           "group; gathered: one group through the gather/scatter copies)")

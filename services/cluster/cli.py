@@ -8,23 +8,18 @@ import sys
 import time
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="local Hugging Face folder (default: the embedded model)")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-
-
 def _generate(args: argparse.Namespace) -> int:
+    from services.cluster.flags import config_from_args
+    from services.common.config import EngineConfig
     from services.engine import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    print(f"loading {args.model or 'the embedded default model'} ...", file=sys.stderr, flush=True)
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, num_threads=args.threads)
+    model = args.model_arg or args.model
+    print(f"loading {model or 'the embedded default model'} ...", file=sys.stderr, flush=True)
+    llm = LLM.from_config(config_from_args(args, EngineConfig, args.engine_settings, {("model",): model}))
     print(f"ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            seed=args.seed, top_p=args.top_p)
+                            seed=args.sample_seed, top_p=args.top_p)
     prompts = args.prompt or ["The quick brown fox", "def fibonacci(n):"]
     if args.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
@@ -51,26 +46,49 @@ def _bench(args: argparse.Namespace) -> int:
     return importlib.import_module(f"services.bench.{args.bench}").main(args)
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tandem")
+    except PackageNotFoundError:
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from services.cluster.flags import add_config_flags
+    from services.common.config import EngineConfig
+
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--log-level", default="WARNING",
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR", "debug", "info", "warning", "error"])
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="offline generation with the engine")
-    _add_engine_args(gen)
+    gen.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
+                     help="a model folder, a .gguf file or a Hugging Face repo id (default: the embedded model)")
+    gen.add_argument("--model", default=None, help="same as MODEL")
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     gen.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.set_defaults(func=_generate)
+    gen.add_argument("--seed", dest="sample_seed", type=int, default=None, help="sampling seed")
+    engine = gen.add_argument_group("engine (defaults from EngineConfig)")
+    gen.set_defaults(func=_generate, engine_settings=add_config_flags(engine, EngineConfig, exclude={"seed"}))
 
     from services.cluster import serve as serve_cmd
 
     srv = sub.add_parser("serve", help="serve the OpenAI API on a disaggregated cluster")
     serve_cmd.add_arguments(srv)
     srv.set_defaults(func=serve_cmd.main)
+
+    from services.cluster import chat as chat_cmd
+
+    chat = sub.add_parser("chat", help="chat in the terminal with a server (--url) or a local model")
+    chat_cmd.add_arguments(chat)
+    chat.set_defaults(func=chat_cmd.main)
 
     mk = sub.add_parser("make-model", help="write a seeded random checkpoint")
     mk.add_argument("--preset", default="small", choices=["tiny", "small", "bench"])

@@ -8,6 +8,7 @@ import dataclasses
 import itertools
 import threading
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 
@@ -15,7 +16,9 @@ import ray
 
 from services.common.config import ClusterConfig
 from services.common.sampling_params import SamplingParams
-from services.cluster.handles import RayDecode, RayPrefill
+from services.cluster import attach
+from services.cluster.handles import RayDecode, RayPrefill, is_transient
+from services.cluster.ray_start import RayRuntime
 from services.decode.worker import DecodeWorker
 from services.prefill.worker import PrefillWorker
 from services.protocol.request_path import TokenDelta
@@ -24,6 +27,7 @@ from services.router.driver import RequestDriver
 
 log = logging.getLogger(__name__)
 LOAD_REFRESH_S = 0.05
+REBUILD_WAIT_S = 60.0  # the longest a request or re-drive waits for the pools to heal
 
 
 class Cluster:
@@ -34,34 +38,38 @@ class Cluster:
     """
 
     def __init__(self, config: ClusterConfig,
-                 progress: Callable[[str], None] = lambda msg: log.info(msg)) -> None:
+                 progress: Callable[[str], None] = lambda msg: log.info(msg),
+                 deployment: str | None = None) -> None:
+        """``deployment``: run the workers as detached actors under this name, so they
+        outlive the gateway and a restarted one re-attaches to them (see ``attach``)."""
         self.config = config
+        self.deployment = deployment
+        self.reattached: list[str] = []
         self._progress = progress
         self.prefill: list[RayPrefill] = []
         self.decode: list[RayDecode] = []
         self.router: Router | None = None
         self.driver: RequestDriver | None = None
         self._ids = itertools.count()
-        self._refresher: asyncio.Task | None = None
-        self._owns_ray = False
+        self._refresher: threading.Thread | None = None
+        self._refresher_stop = threading.Event()
+        self._first_refresh = threading.Event()
+        self._ray = RayRuntime(config.ray_address)  # a Ray started here listens on loopback only
         self.replacements = 0
-        self._healing: asyncio.Future | None = None
+        self.rebuilds = 0
         self._serving = threading.Event()  # cleared while the transfer group is rebuilt
         self._serving.set()
 
     # -- lifecycle --------------------------------------------------------------
     def start(self, timeout_s: float = 300.0) -> Cluster:
-        from services.engine.default_model import default_model_path
+        from services.engine.model_source import resolve_model
 
         cfg = self.config
         if not ray.is_initialized():
-            self._progress("starting Ray" if cfg.ray_address is None
+            self._progress("starting Ray (loopback only)" if cfg.ray_address is None
                            else f"joining Ray at {cfg.ray_address}")
-            local = {} if cfg.ray_address else {"_node_ip_address": "127.0.0.1"}  # Ray stays internal
-            ray.init(address=cfg.ray_address, include_dashboard=False,
-                     log_to_driver=False, configure_logging=False, **local)
-            self._owns_ray = True
-        model = cfg.engine.model or str(default_model_path())
+            self._ray.start()
+        model = str(resolve_model(cfg.engine.model).path)
         engine = dataclasses.replace(cfg.engine, model=model, num_threads=cfg.threads_per_worker)
         colocated = cfg.mode == "colocated"
         n_prefill = 0 if colocated else cfg.prefill_workers
@@ -69,19 +77,32 @@ class Cluster:
         self._progress(f"loading {model} on {n_prefill} prefill + {n_decode} decode workers")
         self._engine = engine
         role = "both" if colocated else "decode"
-        self.prefill = [RayPrefill(self._actor(PrefillWorker, f"prefill-{i}"), f"prefill-{i}",
-                                   "prefill", rank=i) for i in range(n_prefill)]
-        self.decode = [RayDecode(self._actor(DecodeWorker, f"decode-{i}"), f"decode-{i}", role,
-                                 rank=n_prefill + i) for i in range(n_decode)]
+        attached = attach.reattach(self, n_prefill, n_decode, timeout_s) if self.deployment else {}
+        self.prefill = [RayPrefill(attached.get(f"prefill-{i}") or self._actor(
+            PrefillWorker, f"prefill-{i}"), f"prefill-{i}", "prefill", rank=i)
+            for i in range(n_prefill)]
+        self.decode = [RayDecode(attached.get(f"decode-{i}") or self._actor(
+            DecodeWorker, f"decode-{i}"), f"decode-{i}", role, rank=n_prefill + i)
+            for i in range(n_decode)]
         ray.get([w.actor.ready.remote() for w in self.prefill + self.decode], timeout=timeout_s)
+        if self.deployment:
+            attach.claim_new(self, [w for w in self.prefill + self.decode
+                                    if w.worker_id not in attached], timeout_s)
         if not colocated:
+            if attached:  # the group of the previous gateway: leave it, build a fresh one
+                ray.get([w.actor.leave_transfer_group.remote()
+                         for w in self.prefill + self.decode], timeout=timeout_s)
             self._connect(timeout_s)
         self.router = Router(RouterConfig(
             mode=cfg.mode, local_prefill_threshold=cfg.local_prefill_threshold,
             max_queued_requests=cfg.max_queued_requests, block_size=cfg.engine.cache.block_size),
             self.prefill + self.decode)
         self.driver = RequestDriver(self.router, max_attempts=cfg.max_attempts,
-                                    layer_group_size=cfg.layer_group_size, checksum=cfg.checksum)
+                                    layer_group_size=cfg.layer_group_size, checksum=cfg.checksum,
+                                    wait_until_serving=self.wait_until_serving)
+        self._start_refresher()
+        if not self._first_refresh.wait(timeout_s):
+            raise TimeoutError(f"no worker loads within {timeout_s:g}s")
         self._progress("cluster ready")
         return self
 
@@ -91,6 +112,9 @@ class Cluster:
         opts: dict = dict(num_cpus=cfg.cpus_per_worker, num_gpus=cfg.gpus_per_worker,
                           max_concurrency=10_000,
                           name=f"tandem-{worker_id}-{uuid.uuid4().hex[:6]}")
+        if self.deployment:  # outlives this gateway; found again by name
+            opts.update(name=attach.actor_name(self.deployment, worker_id),
+                        namespace=attach.NAMESPACE, lifetime="detached")
         accel = cfg.prefill_accelerator_type if prefill else cfg.decode_accelerator_type
         if accel:
             opts["accelerator_type"] = accel
@@ -100,7 +124,14 @@ class Cluster:
         args = (worker_id, self._engine, cfg.prefill_nice) if prefill else (
             worker_id, self._engine, cfg.transfer_timeout_s,
             "both" if cfg.mode == "colocated" else "decode")
-        return ray.remote(cls).options(**opts).remote(*args)
+        for _ in range(50):  # a detached name is free again once its killed actor is gone
+            try:
+                return ray.remote(cls).options(**opts).remote(*args)
+            except ValueError as e:
+                if not self.deployment or "already taken" not in str(e):
+                    raise
+                time.sleep(0.2)
+        raise RuntimeError(f"the actor name of {worker_id} stays taken")
 
     def _connect(self, timeout_s: float) -> None:
         """Check every P-D pair's KV layout, then build one transfer group over all of them."""
@@ -116,30 +147,41 @@ class Cluster:
         world, group = len(pre) + len(dec), f"tandem-kv-{uuid.uuid4().hex[:8]}"
         ranks = [w.rank for w in pre]
         in_place = self.config.kv_in_place_min_bytes
+        op_timeout = self.config.transfer_timeout_s  # every send/recv of the group is bounded
         calls = [w.actor.join_transfer_group.remote(backend, world, w.rank, group,
-                                                    in_place_min_bytes=in_place) for w in pre]
-        calls += [w.actor.join_transfer_group.remote(backend, world, w.rank, group, ranks)
-                  for w in dec]
+                                                    in_place_min_bytes=in_place,
+                                                    op_timeout_s=op_timeout) for w in pre]
+        calls += [w.actor.join_transfer_group.remote(backend, world, w.rank, group, ranks,
+                                                     op_timeout_s=op_timeout) for w in dec]
         ray.get(calls, timeout=timeout_s)
         self._progress(f"transfer group {group} ({backend}, {world} ranks) connected")
 
     def replace_dead(self, timeout_s: float = 300.0) -> list[str]:
-        """Start a new actor for every dead worker and rebuild the transfer group around it.
+        """Heal the pools: start a new actor for every dead worker, and rebuild the
+        transfer group around it or around any worker whose channel broke.
 
-        Transfers in flight during the rebuild fail and their requests are re-driven.
-        Returns the ids of the replaced workers.
+        A worker Ray cannot reach for now (``ActorUnavailableError``) is left for a
+        later round. Transfers in flight during the rebuild fail and their requests
+        are re-driven once it is done. Returns the ids of the replaced workers.
         """
-        dead = []
+        dead, broken = [], []
         for w in self.prefill + self.decode:
             try:
-                alive = ray.get(w.actor.load.remote(), timeout=10)["alive"]
-            except Exception:
-                alive = False
-            if not alive:
+                load = ray.get(w.actor.load.remote(), timeout=10)
+            except Exception as e:
+                if not is_transient(e):
+                    dead.append(w)
+                continue
+            if not load.get("engine_alive", load["alive"]):
                 dead.append(w)
-        if not dead:
+            elif load.get("transfer_broken"):
+                broken.append(w)
+        if not dead and not broken:
             return []
-        self._progress(f"replacing {', '.join(w.worker_id for w in dead)}")
+        what = [f"replacing {', '.join(w.worker_id for w in dead)}"] if dead else []
+        what += [f"rebuilding the transfer group ({', '.join(w.worker_id for w in broken)}: "
+                 "channel broken)"] if broken else []
+        self._progress("; ".join(what))
         self._serving.clear()
         try:
             self._replace(dead, timeout_s)
@@ -160,18 +202,23 @@ class Cluster:
         for w in dead:
             self.router.add_worker(w)  # same id: revives it in the router
         self.replacements += len(dead)
+        self.rebuilds += 1
 
-    def shutdown(self) -> None:
-        if self._refresher is not None:
-            self._refresher.cancel()
+    def shutdown(self, kill_workers: bool | None = None) -> None:
+        """Stop; the workers are killed unless they belong to a deployment (detached:
+        a restarted gateway re-attaches to them), or as ``kill_workers`` says."""
+        self._stop_refresher()
+        if kill_workers is None:
+            kill_workers = self.deployment is None
         for w in self.prefill + self.decode:
+            if not kill_workers:
+                continue
             with contextlib.suppress(Exception):
                 ray.kill(w.actor)
         self.prefill, self.decode = [], []
-        if self._owns_ray:
-            ray.shutdown()
+        self._ray.stop()
 
-    # -- requests ---------------------------------------------------------------
+    # -- health: loads refreshed and workers healed from start-up -------------------
     async def refresh_loads(self) -> None:
         await asyncio.gather(*(w.refresh() for w in self.prefill + self.decode))
 
@@ -184,15 +231,46 @@ class Cluster:
         try:
             self.replace_dead()
         except Exception:
-            log.exception("replacing dead workers failed; will retry")
+            log.exception("healing the pools failed; will retry")
+
+    def _start_refresher(self) -> None:
+        """Refresh loads (and heal) on a thread of its own, from start-up to shutdown."""
+        self._refresher_stop.clear()
+        self._first_refresh.clear()
+        self._refresher = threading.Thread(target=lambda: asyncio.run(self._refresh_forever()),
+                                           name="tandem-refresher", daemon=True)
+        self._refresher.start()
+
+    def _stop_refresher(self) -> None:
+        self._refresher_stop.set()
+        if self._refresher is not None and self._refresher is not threading.current_thread():
+            self._refresher.join(timeout=30)
+        self._refresher = None
 
     async def _refresh_forever(self) -> None:
-        while True:
-            await self.refresh_loads()
+        healing: asyncio.Future | None = None
+        while not self._refresher_stop.is_set():
+            try:
+                await self.refresh_loads()
+            except Exception:  # noqa: BLE001 - never let the refresher die
+                log.exception("refreshing worker loads failed")
+            self._first_refresh.set()
             workers = self.prefill + self.decode
-            if any(not w.load().alive for w in workers) and (
-                    self._healing is None or self._healing.done()):
-                self._healing = asyncio.ensure_future(asyncio.to_thread(self._heal))
+            if any(not w.load().alive and not is_transient(w.last_error) for w in workers) \
+                    and (healing is None or healing.done()):
+                healing = asyncio.ensure_future(asyncio.to_thread(self._heal))
+            await asyncio.sleep(LOAD_REFRESH_S)
+        if healing is not None:
+            await healing
+
+    async def wait_until_serving(self, timeout_s: float = REBUILD_WAIT_S) -> None:
+        """Return once no rebuild is under way and every worker reports alive, or after
+        ``timeout_s`` (then the router places the request on what is alive)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            await self.refresh_loads()
+            if self._serving.is_set() and all(w.load().alive for w in self.prefill + self.decode):
+                return
             await asyncio.sleep(LOAD_REFRESH_S)
 
     async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -200,11 +278,8 @@ class Cluster:
         """Stream one request's deltas (token #1 from the prefill worker, then decode)."""
         if self.driver is None:
             raise RuntimeError("the cluster is not started")
-        if self._refresher is None or self._refresher.done():
-            await self.refresh_loads()
-            self._refresher = asyncio.get_running_loop().create_task(self._refresh_forever())
         if not self._serving.is_set():  # a rebuild is under way: wait for it (bounded)
-            await asyncio.to_thread(self._serving.wait, 60.0)
+            await self.wait_until_serving()
         rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         async with contextlib.aclosing(self.driver.generate(rid, prompt_token_ids, params)) as gen:
             async for delta in gen:

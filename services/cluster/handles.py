@@ -10,15 +10,29 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from services.common.sampling_params import SamplingParams
 from services.decode.worker import TransferFailedError
+from services.engine.engine_loop import EngineLoopStopped
+from services.prefill.worker import PrefillTimeoutError
 from services.protocol.messages import KVTransferDescriptor
 from services.protocol.request_path import DecodeRequest, PrefillRequest, PrefillResult, TokenDelta
 from services.router.driver import TransferError, WorkerLostError
+from services.router.errors import PrefillQueueTimeoutError
 from services.router.worker import WorkerLoad
+from services.transfer.channel import ChannelBrokenError
 
-# Ray raises these for a dead, restarting or unreachable actor.
-_LOST = (RayActorError,) + tuple(
-    getattr(ray.exceptions, n) for n in ("ActorDiedError", "ActorUnavailableError")
-    if hasattr(ray.exceptions, n))
+# Ray raises this for an actor it cannot reach right now (network blip, restarting node):
+# retried, never taken for death. It subclasses RayActorError, so it is checked first.
+_UNAVAILABLE = tuple(getattr(ray.exceptions, n) for n in ("ActorUnavailableError",)
+                     if hasattr(ray.exceptions, n))
+# ... and these for a dead actor.
+_LOST = (RayActorError,) + tuple(getattr(ray.exceptions, n) for n in ("ActorDiedError",)
+                                 if hasattr(ray.exceptions, n))
+RETRY_AFTER_S = 1.0
+CLEANUP_TIMEOUT_S = 60.0  # an abort waits for writes in flight (each bounded) and one engine step
+
+
+def is_transient(e: BaseException) -> bool:
+    """Whether a Ray error means "unreachable for now" rather than "dead"."""
+    return isinstance(e, _UNAVAILABLE)
 
 
 class RayWorker:
@@ -27,29 +41,43 @@ class RayWorker:
     def __init__(self, actor, worker_id: str, role: str, rank: int | None = None) -> None:
         self.actor, self.worker_id, self.role, self.rank = actor, worker_id, role, rank
         self._load = WorkerLoad(worker_id, role)
+        self.last_error: BaseException | None = None  # of the last refresh
+        self.last_raw: dict = {}  # the last load the worker reported
 
     def load(self) -> WorkerLoad:
         return self._load
 
     async def refresh(self, timeout_s: float = 5.0) -> None:
-        """Fetch a new snapshot; a worker that does not answer is reported dead."""
+        """Fetch a new snapshot; a worker that does not answer is reported not alive
+        (until a later refresh gets an answer)."""
         try:
-            raw = await _within(self.actor.load.remote(), timeout_s)
-        except Exception:
+            raw = await _within(_quiet(self.actor.load).remote(), timeout_s)
+        except Exception as e:
+            self.last_error = e
             self._load = WorkerLoad(self.worker_id, self.role, alive=False)
             return
+        self.last_error = None
+        self.last_raw = raw
         fields = {k: raw[k] for k in ("alive", "total_blocks", "free_blocks", "block_size",
                                       "running", "waiting", "queued_prefill_tokens",
                                       "max_num_seqs", "request_ids")}
         self._load = WorkerLoad(self.worker_id, self.role, **fields)
 
     def _translate(self, e: BaseException) -> BaseException:
+        if isinstance(e, _UNAVAILABLE):
+            return WorkerLostError(self.worker_id, f"{self.role} worker {self.worker_id} "
+                                   f"unreachable: {e}", transient=True)
         if isinstance(e, _LOST):
             return WorkerLostError(self.worker_id, f"{self.role} worker {self.worker_id} lost: {e}")
         if isinstance(e, RayTaskError):
             cause = e.as_instanceof_cause()
-            if isinstance(cause, TransferFailedError):
+            if isinstance(cause, (TransferFailedError, ChannelBrokenError)):
                 return TransferError(str(cause))
+            if isinstance(cause, EngineLoopStopped):
+                return WorkerLostError(self.worker_id, f"{self.role} worker {self.worker_id}: "
+                                       f"{cause}")
+            if isinstance(cause, PrefillTimeoutError):
+                return PrefillQueueTimeoutError(str(cause), RETRY_AFTER_S)
             return cause
         return e
 
@@ -57,12 +85,12 @@ class RayWorker:
 class RayPrefill(RayWorker):
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
         try:
-            return await self.actor.prefill.remote(req)
+            return await _quiet(self.actor.prefill).remote(req)
         except Exception as e:
             raise self._translate(e) from e
 
     async def abort(self, request_id: str) -> None:
-        await self.actor.abort.remote(request_id)
+        await _within(_quiet(self.actor.abort).remote(request_id), CLEANUP_TIMEOUT_S)
 
 
 class RayDecode(RayWorker):
@@ -71,14 +99,14 @@ class RayDecode(RayWorker):
                       layer_group_size: int | None, checksum: bool
                       ) -> KVTransferDescriptor | None:
         try:
-            return await self.actor.reserve.remote(request_id, list(prompt_token_ids), params,
-                                                   src_rank, transfer_id, layer_group_size,
-                                                   checksum)
+            return await _quiet(self.actor.reserve).remote(
+                request_id, list(prompt_token_ids), params, src_rank, transfer_id,
+                layer_group_size, checksum)
         except Exception as e:
             raise self._translate(e) from e
 
     async def decode(self, req: DecodeRequest) -> AsyncIterator[TokenDelta]:
-        gen = self.actor.decode.options(num_returns="streaming").remote(req)
+        gen = _quiet(self.actor.decode, num_returns="streaming").remote(req)
         try:
             async for ref in gen:
                 yield await ref
@@ -88,10 +116,17 @@ class RayDecode(RayWorker):
             ray.cancel(gen)  # no-op once it has finished
 
     async def cancel(self, request_id: str) -> None:
-        await self.actor.cancel.remote(request_id)
+        await _within(_quiet(self.actor.cancel).remote(request_id), CLEANUP_TIMEOUT_S)
 
     async def abort(self, request_id: str) -> None:
-        await self.actor.abort.remote(request_id)
+        await _within(_quiet(self.actor.abort).remote(request_id), CLEANUP_TIMEOUT_S)
+
+
+def _quiet(method, **options):
+    """An actor method called without Ray task events: the GCS keeps a record of every
+    task (up to 100,000), which for load polls and per-request calls is memory growing
+    with uptime and traffic (11 MiB a minute of polling alone) and nothing reads."""
+    return method.options(enable_task_events=False, **options)
 
 
 async def _within(ref, timeout_s: float):

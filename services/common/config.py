@@ -1,9 +1,16 @@
-"""Configuration dataclasses for the engine and the cluster (standard library only)."""
+"""Configuration dataclasses for the engine and the cluster (standard library only).
+
+Each setting has its one default here. Field metadata carries what the command line and
+``LLM(...)`` need to expose it (see ``services.common.config_fields``): ``help``,
+``flag`` (a CLI name other than ``--field-name``), ``keyword`` (an ``LLM`` keyword other
+than the field name), ``cli=False`` / ``keyword=None`` to keep it off either.
+"""
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 
 
 class EngineRole(str, enum.Enum):
@@ -14,6 +21,47 @@ class EngineRole(str, enum.Enum):
     DECODE = "decode"  # decode only: sequences arrive with imported KV
 
 
+class ClusterMode(enum.StrEnum):
+    """How a cluster splits the two phases between its pools."""
+
+    DISAGGREGATED = "disaggregated"  # prefill pool + decode pool, KV streamed between them
+    COLOCATED = "colocated"  # one pool of engines that do both
+    CONDITIONAL = "conditional"  # disaggregated, short prompts prefilled on the decode worker
+
+
+class TransferBackend(enum.StrEnum):
+    """KV transfer transport: nccl on GPUs, gloo on CPU, auto picks by device."""
+
+    AUTO = "auto"
+    GLOO = "gloo"
+    NCCL = "nccl"
+
+
+# Engine dtypes: auto = the checkpoint's on GPU, float32 on CPU; the rest with their aliases.
+DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "half")
+_DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+
+
+def check_device(device: str) -> str:
+    """``device`` if it is ``cpu``, ``cuda`` or ``cuda:N``; ValueError otherwise."""
+    if not _DEVICE.match(device):
+        raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}")
+    return device
+
+
+def _enum(cls: type[enum.Enum], value: object, name: str) -> enum.Enum:
+    try:
+        return cls(getattr(value, "value", value))
+    except ValueError:
+        choices = ", ".join(m.value for m in cls)
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}") from None
+
+
+# Defaults the router shares (services.router.config.RouterConfig takes them from here).
+LOCAL_PREFILL_THRESHOLD = 64
+MAX_QUEUED_REQUESTS = 256
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache sizing.
@@ -21,10 +69,13 @@ class CacheConfig:
     ``num_blocks`` of ``None`` sizes the pool from ``memory_gb``.
     """
 
-    block_size: int = 16
-    num_blocks: int | None = None
-    memory_gb: float = 1.0
-    enable_prefix_caching: bool = True
+    block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
+    num_blocks: int | None = field(default=None, metadata={
+        "help": "KV cache blocks per engine (default: as many as --kv-cache-gb holds)"})
+    memory_gb: float = field(default=1.0, metadata={
+        "flag": "--kv-cache-gb", "keyword": "kv_cache_memory_gb", "help": "KV cache per engine, GiB"})
+    enable_prefix_caching: bool = field(default=True, metadata={
+        "help": "reuse the KV of prompt prefixes seen before"})
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -43,10 +94,11 @@ class SchedulerConfig:
     prefill a long prompt is split across steps to fit it.
     """
 
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
-    role: EngineRole = EngineRole.BOTH
+    max_num_seqs: int = field(default=256, metadata={"help": "sequences batched per step"})
+    max_num_batched_tokens: int = field(default=2048, metadata={"help": "token budget per step"})
+    enable_chunked_prefill: bool = field(default=True, metadata={
+        "help": "split long prompts across steps to fit the token budget"})
+    role: EngineRole = field(default=EngineRole.BOTH, metadata={"cli": False, "keyword": None})
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -54,6 +106,7 @@ class SchedulerConfig:
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        object.__setattr__(self, "role", _enum(EngineRole, self.role, "role"))
 
 
 @dataclass(frozen=True)
@@ -73,17 +126,33 @@ class SpeculativeConfig:
     where verification costs more than it saves.
     """
 
-    method: str | None = None  # None | "ngram" | "draft"
-    num_speculative_tokens: int = 4
-    ngram_min: int = 2
-    ngram_max: int = 4
-    adaptive: bool = True
+    method: str | None = field(default=None, metadata={
+        "flag": "--speculative", "keyword": "speculative", "choices": ("ngram", "draft"),
+        "help": "speculative decoding in the decode pool (ngram: prompt lookup; draft: "
+                "--speculative-draft-model drafts)"})
+    num_speculative_tokens: int = field(default=4, metadata={
+        "help": "most draft tokens verified per step"})
+    ngram_min: int = field(default=2, metadata={
+        "flag": "--speculative-ngram-min", "keyword": "speculative_ngram_min",
+        "help": "shortest n-gram prompt lookup matches"})
+    ngram_max: int = field(default=4, metadata={
+        "flag": "--speculative-ngram-max", "keyword": "speculative_ngram_max",
+        "help": "longest n-gram prompt lookup matches"})
+    adaptive: bool = field(default=True, metadata={
+        "flag": "--speculative-adaptive", "keyword": "speculative_adaptive",
+        "help": "draft length per sequence from its acceptance rate"})
     # Measured with `tandem bench spec` (bench preset, CPU): verifying 4 drafts made a
     # decode step 1.5-1.7x as long at batch 1-4 (0.13-0.17 per position), 2.0x at 8
     # and 2.7x at 16, where speculation only pays above ~70% acceptance.
-    verify_cost: float = 0.15
-    max_batch_size: int = 8
-    draft_model: str | None = None  # local HF folder (method "draft")
+    verify_cost: float = field(default=0.15, metadata={
+        "flag": "--speculative-verify-cost", "keyword": "speculative_verify_cost",
+        "help": "cost of one verified position relative to a decode step"})
+    max_batch_size: int = field(default=8, metadata={
+        "flag": "--speculative-max-batch-size", "keyword": "speculative_max_batch_size",
+        "help": "no drafting in steps with more decoding sequences than this"})
+    draft_model: str | None = field(default=None, metadata={
+        "flag": "--speculative-draft-model", "keyword": "draft_model",
+        "help": "local model folder of a small model with the target's vocabulary (method draft)"})
 
     def __post_init__(self) -> None:
         if self.method not in (None, "ngram", "draft"):
@@ -111,17 +180,32 @@ class SpeculativeConfig:
 class EngineConfig:
     """Everything one engine needs: which checkpoint, where, and how to batch it."""
 
-    model: str | None = None  # local HF folder; None = the embedded default
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    device: str = "cpu"
-    num_threads: int | None = None  # torch intra-op threads; None = leave as is
-    max_model_len: int | None = None  # cap on prompt + output; None = the model's
-    seed: int = 0
-    onednn: bool = True  # CPU fp32: oneDNN matmuls (faster; rounding differs from MKL's)
-    cpu_kernels: bool = True  # CPU fp32: native decode attention (compiled on first use)
+    # a model folder, a .gguf file or a hub repo id; None = the embedded default
+    model: str | None = field(default=None, metadata={"cli": False, "keyword": None})
+    dtype: str = field(default="auto", metadata={
+        "choices": DTYPES, "help": "weights and KV dtype (auto: the checkpoint's on GPU, float32 on CPU)"})
+    device: str = field(default="cpu", metadata={"type": check_device, "help": "cpu | cuda | cuda:N"})
+    num_threads: int | None = field(default=None, metadata={
+        "flag": "--threads", "help": "torch intra-op threads (default: torch's)"})
+    max_model_len: int | None = field(default=None, metadata={
+        "help": "cap on prompt + output tokens (default: the model's context)"})
+    seed: int = field(default=0, metadata={"help": "sampler seed"})
+    onednn: bool = field(default=True, metadata={
+        "help": "CPU fp32: oneDNN matmuls (faster; rounding differs from MKL's)"})
+    cpu_kernels: bool = field(default=True, metadata={
+        "help": "CPU fp32: native decode attention and fused kernels (compiled on first use)"})
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        check_device(self.device)
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
 
 
 # Below this mean plane per run, one gathered KV message beats many small in-place ones.
@@ -138,35 +222,52 @@ class ClusterConfig:
     and run ``threads_per_worker`` torch threads.
     """
 
-    mode: str = "disaggregated"  # disaggregated | colocated | conditional
-    prefill_workers: int = 1
-    decode_workers: int = 1
+    mode: ClusterMode = field(default=ClusterMode.DISAGGREGATED, metadata={
+        "help": "disaggregated: prefill and decode pools; colocated: one pool doing both; "
+                "conditional: disaggregated, short prompts prefilled on the decode worker"})
+    prefill_workers: int = field(default=1, metadata={"help": "workers in the prefill pool"})
+    decode_workers: int = field(default=1, metadata={"help": "workers in the decode pool"})
     engine: EngineConfig = EngineConfig()
-    threads_per_worker: int = 1
-    cpus_per_worker: float = 0.0
-    gpus_per_worker: float = 0.0
-    prefill_accelerator_type: str | None = None
-    decode_accelerator_type: str | None = None
-    prefill_resources: tuple[tuple[str, float], ...] = ()
-    decode_resources: tuple[tuple[str, float], ...] = ()
-    transfer_backend: str = "auto"  # auto | gloo | nccl
-    layer_group_size: int | None = 2  # layers per streamed group; None = one group
-    checksum: bool = False
-    transfer_timeout_s: float = 30.0
+    threads_per_worker: int = field(default=1, metadata={"help": "torch threads per worker"})
+    cpus_per_worker: float = field(default=0.0, metadata={"help": "Ray CPUs each worker asks for"})
+    gpus_per_worker: float = field(default=0.0, metadata={"help": "Ray GPUs each worker asks for"})
+    prefill_accelerator_type: str | None = field(default=None, metadata={
+        "help": "Ray accelerator type the prefill workers ask for"})
+    decode_accelerator_type: str | None = field(default=None, metadata={
+        "help": "Ray accelerator type the decode workers ask for"})
+    prefill_resources: tuple[tuple[str, float], ...] = field(default=(), metadata={
+        "flag": "--prefill-resource", "help": "custom Ray resource each prefill worker asks for "
+        "(NAME=AMOUNT, repeatable)"})
+    decode_resources: tuple[tuple[str, float], ...] = field(default=(), metadata={
+        "flag": "--decode-resource", "help": "custom Ray resource each decode worker asks for "
+        "(NAME=AMOUNT, repeatable)"})
+    transfer_backend: TransferBackend = field(default=TransferBackend.AUTO, metadata={
+        "help": "KV transport: nccl on GPUs, gloo on CPU; auto picks by device"})
+    layer_group_size: int | None = field(default=2, metadata={"help": "layers per streamed KV group; -1: all layers in one group"})
+    checksum: bool = field(default=False, metadata={"help": "checksum every KV payload"})
+    transfer_timeout_s: float = field(default=30.0, metadata={"help": "KV transfer timeout, seconds"})
     # KV runs consecutive on both sides go in place (no staging copies) when their mean
     # (layer, K|V) plane is at least this many bytes; None: always gather.
-    kv_in_place_min_bytes: int | None = KV_IN_PLACE_MIN_BYTES
-    local_prefill_threshold: int = 64  # conditional mode: shorter prompts prefill on D
-    max_queued_requests: int = 256
-    max_attempts: int = 3
-    ray_address: str | None = None
+    kv_in_place_min_bytes: int | None = field(default=KV_IN_PLACE_MIN_BYTES, metadata={
+        "help": "send KV block runs consecutive on both sides in place (no staging copies) when "
+                "a run's layer plane averages at least N bytes; -1: never"})
+    local_prefill_threshold: int = field(default=LOCAL_PREFILL_THRESHOLD, metadata={
+        "help": "conditional mode: shorter prompts prefill on the decode worker"})
+    max_queued_requests: int = field(default=MAX_QUEUED_REQUESTS, metadata={
+        "help": "admission bound per worker; beyond it requests get 429"})
+    max_attempts: int = field(default=3, metadata={"help": "tries per request across worker failures"})
+    ray_address: str | None = field(default=None, metadata={
+        "help": "join this Ray cluster (default: start one)"})
     # CPU hosts the pools share: prefill workers run at this niceness (0-19), so the
     # decode steps that set TPOT get the CPU first and prefill takes what is left.
-    prefill_nice: int = 0
+    prefill_nice: int = field(default=0, metadata={
+        "help": "CPU hosts the pools share: run prefill workers at this niceness (0-19) so "
+                "decode steps get the CPU first (0: off)"})
 
     def __post_init__(self) -> None:
-        if self.mode not in ("disaggregated", "colocated", "conditional"):
-            raise ValueError(f"mode must be disaggregated, colocated or conditional, got {self.mode!r}")
+        object.__setattr__(self, "mode", _enum(ClusterMode, self.mode, "mode"))
+        object.__setattr__(self, "transfer_backend",
+                           _enum(TransferBackend, self.transfer_backend, "transfer_backend"))
         if self.decode_workers < 1:
             raise ValueError(f"decode_workers must be >= 1, got {self.decode_workers}")
         if self.kv_in_place_min_bytes is not None and self.kv_in_place_min_bytes < 0:

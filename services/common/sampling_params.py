@@ -7,7 +7,21 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+# Bounds every layer applies (the gateway's request schema uses the same numbers).
+# OpenAI's documented ranges where it has one; physical limits elsewhere.
 MAX_LOGPROBS = 20
+MAX_TEMPERATURE = 2.0
+MIN_TEMPERATURE = 1e-2  # above 0: smaller ones overflow the logits; 0 is greedy
+MAX_PENALTY = 2.0  # presence / frequency: [-2, 2]
+MIN_REPETITION_PENALTY = 1e-2
+MAX_REPETITION_PENALTY = 10.0
+MAX_TOP_K = 2**31 - 1  # no vocabulary is larger; the gateway checks the served one's size
+MAX_SEED = 2**63 - 1
+MAX_TOKENS_LIMIT = 2**31 - 1  # max_tokens / min_tokens: no context is longer
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+MAX_TOKEN_ID = 2**31 - 1
 
 
 class FinishReason(str, enum.Enum):
@@ -71,39 +85,46 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
             _check_number(name, getattr(self, name))
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE):
+            raise ValueError(f"temperature must be 0 or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], "
+                             f"got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.top_k is not None:
             _check_number("top_k", self.top_k, integer=True)
-            if self.top_k < 1:
-                raise ValueError(f"top_k must be >= 1 (or 0/-1/None to disable), got {self.top_k}")
+            if not 1 <= self.top_k <= MAX_TOP_K:
+                raise ValueError(f"top_k must be in [1, {MAX_TOP_K}] (or 0/-1/None to disable), got {self.top_k}")
         for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [{-MAX_PENALTY:g}, {MAX_PENALTY:g}], got {getattr(self, name)}")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
+                             f"{MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}")
         if self.seed is not None:
             _check_number("seed", self.seed, integer=True)
-            if not 0 <= self.seed < 2**63:
+            if not 0 <= self.seed <= MAX_SEED:
                 raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if self.max_tokens is not None:
             _check_number("max_tokens", self.max_tokens, integer=True)
-            if self.max_tokens < 1:
-                raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+            if not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
+                raise ValueError(f"max_tokens must be in [1, {MAX_TOKENS_LIMIT}], got {self.max_tokens}")
         _check_number("min_tokens", self.min_tokens, integer=True)
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         for s in self.stop:
-            if not isinstance(s, str) or not s:
-                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+            if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_CHARS:
+                raise ValueError(f"stop strings must be non-empty strings of at most {MAX_STOP_STRING_CHARS} "
+                                 f"characters, got {s!r:.80}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
         for t in self.stop_token_ids:
             _check_number("stop_token_ids", t, integer=True)
-            if t < 0:
-                raise ValueError(f"stop_token_ids must be >= 0, got {t}")
+            if not 0 <= t <= MAX_TOKEN_ID:
+                raise ValueError(f"stop_token_ids must be in [0, {MAX_TOKEN_ID}], got {t}")
         if self.logprobs is not None:
             _check_number("logprobs", self.logprobs, integer=True)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:

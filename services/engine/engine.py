@@ -29,7 +29,7 @@ from services.engine.model.loader import load_model, resolve_dtype
 from services.engine.model_runner import ModelRunner, SampledToken
 from services.engine.sampler import Sampler, TokenLogprob
 from services.engine.scheduler import Scheduler, SchedulerOutput
-from services.engine.sequence import Sequence, SequenceStatus
+from services.engine.sequence import Sequence
 from services.engine.spec.speculator import make_speculator
 from services.text.tokenizer import Tokenizer
 
@@ -54,13 +54,13 @@ class LLMEngine:
     """One model replica on one device, with its paged cache, scheduler and sampler."""
 
     def __init__(self, config: EngineConfig, *, metrics: WorkerMetrics | None = None) -> None:
-        from services.engine.default_model import default_model_path
+        from services.engine.model_source import resolve_model
 
         self.config = config
         self.metrics = metrics
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        self.model_path = str(config.model or default_model_path())
+        self.model_path = str(resolve_model(config.model).path)
         self.model_config = ModelConfig.from_dir(self.model_path)
         mc = self.model_config
         self.device = torch.device(config.device)
@@ -83,7 +83,6 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.kv_cache, Sampler(config.seed), self.eos_token_ids)
         self.speculator = make_speculator(config, mc, self.scheduler.kv, num_blocks, self.dtype,
                                           self.max_model_len)
-        self._reserved: dict[str, Sequence] = {}  # decode role: blocks awaiting import
         self.num_steps = 0
         log.info("engine ready: %s %s on %s, %d KV blocks of %d tokens",
                  mc.architecture, self.dtype, self.device, num_blocks, cc.block_size)
@@ -123,7 +122,7 @@ class LLMEngine:
         re-drive): they are prefilled with the prompt, count towards ``max_tokens``
         and the penalties, and generation continues at output index ``len(...)``.
         """
-        if self.scheduler.get(request_id) is not None or request_id in self._reserved:
+        if self.scheduler.get(request_id) is not None:  # reservations included
             raise ValueError(f"request id {request_id!r} is already in use")
         done = list(output_token_ids)
         self.validate(list(prompt_token_ids) + done, params)
@@ -134,19 +133,20 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> EngineOutput | None:
-        """Stop a request wherever it is and free its blocks; None if unknown or done."""
+        """Stop a request wherever it is (reserved included) and free its blocks;
+        None if unknown or done. A reservation's KV transfer must be stopped first."""
         seq = self.scheduler.get(request_id)
         if seq is None:
-            seq = self._reserved.get(request_id)
-            if seq is None:
-                return None
-            self.cancel_reserved(request_id)  # reserved for an import that will not come
-            seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.ABORT
-            return self._output(seq, [], [])
+            return None
         self.scheduler.finish(seq, FinishReason.ABORT)
         if self.speculator is not None:
             self.speculator.drop(request_id)
         return self._output(seq, [], [])
+
+    @property
+    def _reserved(self) -> dict[str, Sequence]:
+        """Reservations awaiting imported KV (owned by the scheduler; read-only view)."""
+        return self.scheduler.reserved
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
@@ -289,15 +289,15 @@ class LLMEngine:
                 params: SamplingParams) -> list[int] | None:
         """Decode role: take blocks for a prompt whose KV will be imported; None if full.
 
-        The request is not scheduled until ``commit_imported``; ``abort`` frees it.
+        The request is RESERVED (not scheduled) until ``commit_imported``;
+        ``cancel_reserved`` or ``abort`` frees it.
         """
         self.validate(prompt_token_ids, params)
-        if self.scheduler.get(request_id) is not None or request_id in self._reserved:
+        if self.scheduler.get(request_id) is not None:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, list(prompt_token_ids), params)
-        if not self.scheduler.kv.reserve(seq, len(seq.prompt_token_ids)):
+        if not self.scheduler.reserve(seq):
             return None
-        self._reserved[request_id] = seq
         return list(seq.block_ids)
 
     def import_kv(self, block_ids: Seq[int], layers: range, data: torch.Tensor) -> None:
@@ -309,26 +309,17 @@ class LLMEngine:
 
         ``first_token`` was sampled by the prefill worker; decoding resumes at token 2.
         """
-        seq = self._reserved.pop(request_id)
-        seq.imported = True
-        seq.num_computed_tokens = seq.num_prompt_tokens
-        self.scheduler.kv.cache_full_blocks(seq)
-        self.scheduler.seqs[seq.seq_id] = seq
-        seq.status = SequenceStatus.RUNNING
-        self.scheduler.running.append(seq)
+        seq = self.scheduler.admit_imported(request_id)
         return self._append_token(seq, SampledToken(first_token, None))
 
     def cancel_reserved(self, request_id: str) -> bool:
         """Free the blocks of a reservation whose transfer failed or was aborted."""
-        seq = self._reserved.pop(request_id, None)
-        if seq is None:
-            return False
-        self.scheduler.kv.free(seq)
-        return True
+        return self.scheduler.cancel_reservation(request_id)
 
     # -- load report (router input) ---------------------------------------------
     def load_snapshot(self) -> dict:
-        """Counters the router places requests by."""
+        """Counters the router places requests by. Call on the engine's own thread (the
+        engine loop publishes a copy after every step for other threads to read)."""
         sched = self.scheduler
         queued = sum(s.num_uncomputed_tokens for s in sched.waiting)
         queued += sum(s.num_uncomputed_tokens for s in sched.running if s.num_uncomputed_tokens > 1)
@@ -336,5 +327,5 @@ class LLMEngine:
                     block_size=self.config.cache.block_size, running=len(sched.running),
                     waiting=len(sched.waiting), queued_prefill_tokens=queued,
                     max_num_seqs=self.config.scheduler.max_num_seqs,
-                    held=len(sched.prefilled) + len(self._reserved),
-                    request_ids=frozenset(sched.seqs) | frozenset(self._reserved))
+                    held=len(sched.prefilled) + len(sched.reserved),
+                    request_ids=frozenset(sched.seqs))

@@ -5,8 +5,10 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import Any
 
-from services.common.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from services.common.config import EngineConfig
+from services.common.config_fields import build_from_keywords
 from services.common.sampling_params import FinishReason, SamplingParams
 from services.engine.engine import LLMEngine
 from services.engine.sampler import TokenLogprob
@@ -40,35 +42,30 @@ class RequestOutput:
 class LLM:
     """An engine plus its tokenizer, for offline use.
 
-    ``model=None`` serves the embedded default checkpoint (written on first use).
+    ``model=None`` serves the embedded default, SmolLM2-135M-Instruct (converted into the
+    cache on first use).
     """
 
-    def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "cpu",
-                 seed: int = 0, max_model_len: int | None = None, block_size: int = 16,
-                 num_blocks: int | None = None, kv_cache_memory_gb: float = 1.0,
-                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-                 num_threads: int | None = None, onednn: bool = True,
-                 cpu_kernels: bool = True,
-                 speculative: str | SpeculativeConfig | None = None,
-                 num_speculative_tokens: int = 4, draft_model: str | None = None) -> None:
-        """``speculative="ngram"`` (prompt lookup) or ``"draft"`` (the checkpoint at
-        ``draft_model`` drafts) turns on speculative decoding with up to
-        ``num_speculative_tokens`` draft tokens a step (a ``SpeculativeConfig`` sets
-        every knob); outputs stay what they are without it."""
-        spec = speculative if isinstance(speculative, SpeculativeConfig) else \
-            SpeculativeConfig(method=speculative, num_speculative_tokens=num_speculative_tokens,
-                              draft_model=draft_model)
-        config = EngineConfig(
-            model=model, dtype=dtype, device=device, seed=seed, max_model_len=max_model_len,
-            num_threads=num_threads, onednn=onednn, cpu_kernels=cpu_kernels,
-            cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                              memory_gb=kv_cache_memory_gb,
-                              enable_prefix_caching=enable_prefix_caching),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                      max_num_batched_tokens=max_num_batched_tokens,
-                                      enable_chunked_prefill=enable_chunked_prefill),
-            speculative=spec)
+    def __init__(self, model: str | None = None, **options: Any) -> None:
+        """``model``: a model folder, a ``.gguf`` file or a hub repo id (None: the default).
+
+        ``options`` are the engine settings by keyword, with the defaults of
+        :class:`EngineConfig` and its cache and scheduler configs: ``dtype``, ``device``,
+        ``seed``, ``max_model_len``, ``num_threads``, ``onednn``, ``cpu_kernels``,
+        ``block_size``, ``num_blocks``, ``kv_cache_memory_gb``, ``enable_prefix_caching``,
+        ``max_num_seqs``, ``max_num_batched_tokens``, ``enable_chunked_prefill``.
+        An unknown keyword raises ``TypeError``.
+        """
+        self._start(build_from_keywords(EngineConfig, options, model=model))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        """An ``LLM`` for an already-built engine config."""
+        llm = cls.__new__(cls)
+        llm._start(config)
+        return llm
+
+    def _start(self, config: EngineConfig) -> None:
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
@@ -96,11 +93,13 @@ class LLM:
 
     def chat(self, messages: list[dict] | Seq[list[dict]],
              sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
-        """Apply the checkpoint's chat template to each conversation, then generate."""
+        """Apply the checkpoint's chat template to each conversation, then generate.
+
+        Special-token text inside a message is tokenized as plain text (see
+        :meth:`Tokenizer.encode_chat`).
+        """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True)
-                   for c in conversations]
-        ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        ids = [self.tokenizer.encode_chat(list(c), add_generation_prompt=True) for c in conversations]
         return self.generate(ids, sampling_params)
 
     def _run(self, requests: list[tuple[str | None, list[int], SamplingParams]]

@@ -60,6 +60,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.prefilled: dict[str, Sequence] = {}  # prefill role: KV held for export
+        self.reserved: dict[str, Sequence] = {}  # decode role: blocks awaiting imported KV
         self.seqs: dict[str, Sequence] = {}  # every unfinished sequence by id
         self.num_preemptions = 0
 
@@ -72,14 +73,42 @@ class Scheduler:
         self.seqs[seq.seq_id] = seq
         self.waiting.append(seq)
 
-    def add_running(self, seq: Sequence) -> None:
-        """Join a sequence whose KV is already in its blocks (imported) to the batch."""
+    def reserve(self, seq: Sequence) -> bool:
+        """Decode role: hold blocks for the prompt's KV, to arrive from a prefill worker.
+
+        The sequence is RESERVED (not scheduled) until :meth:`admit_imported`;
+        :meth:`cancel_reservation` or :meth:`finish` frees it. False when the
+        blocks are not free (nothing is held then).
+        """
         if seq.seq_id in self.seqs:
             raise ValueError(f"duplicate sequence id {seq.seq_id!r}")
-        assert seq.num_uncomputed_tokens == 1, "an imported sequence resumes at one decode token"
-        seq.status = SequenceStatus.RUNNING
+        if not self.kv.reserve(seq, seq.num_prompt_tokens):
+            return False
+        seq.status = SequenceStatus.RESERVED
         self.seqs[seq.seq_id] = seq
+        self.reserved[seq.seq_id] = seq
+        return True
+
+    def admit_imported(self, seq_id: str) -> Sequence:
+        """Join a RESERVED sequence, whose prompt KV is now in its blocks, to the batch.
+
+        Raises ``KeyError`` when ``seq_id`` holds no reservation.
+        """
+        seq = self.reserved.pop(seq_id)
+        seq.imported = True
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.kv.cache_full_blocks(seq)
+        seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
+        return seq
+
+    def cancel_reservation(self, seq_id: str) -> bool:
+        """Free a reservation whose KV will not come; False when there is none."""
+        seq = self.reserved.get(seq_id)
+        if seq is None:
+            return False
+        self.finish(seq, FinishReason.ABORT)
+        return True
 
     def get(self, seq_id: str) -> Sequence | None:
         return self.seqs.get(seq_id)
@@ -96,6 +125,8 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
+        elif seq.status == SequenceStatus.RESERVED:
+            del self.reserved[seq.seq_id]
         else:
             self.prefilled.pop(seq.seq_id, None)
         self.kv.free(seq)

@@ -13,9 +13,10 @@ class SequenceStatus(enum.IntEnum):
     """Ordered lifecycle: a sequence only moves forward, except preemption (RUNNING -> WAITING)."""
 
     WAITING = 0  # queued; holds no blocks (or only prefix-cache hits while being admitted)
-    RUNNING = 1  # scheduled each step: prefill chunks, then one decode token per step
-    PREFILLED = 2  # prefill role: token #1 sampled, KV held for export until released
-    FINISHED = 3  # blocks freed
+    RESERVED = 1  # decode role: blocks held for KV arriving from a prefill worker; not scheduled
+    RUNNING = 2  # scheduled each step: prefill chunks, then one decode token per step
+    PREFILLED = 3  # prefill role: token #1 sampled, KV held for export until released
+    FINISHED = 4  # blocks freed
 
 
 @dataclass(eq=False)

@@ -26,16 +26,19 @@ from services.text.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
-OPEN_PATHS = ("/health", "/ready", "/metrics")  # reachable without an API key
+OPEN_PATHS = ("/health", "/ready", "/metrics")  # reachable without an API key (unless metrics_require_key)
 
 
 def create_app(backend: Backend, tokenizer: Tokenizer, *, api_keys: Sequence[str] = (),
                max_body_bytes: int = 4 * MiB, request_timeout_s: float | None = 600, max_n: int = 16,
-               max_prompts: int = 64, ready_timeout_s: float = 5.0) -> FastAPI:
+               max_prompts: int = 64, ready_timeout_s: float = 5.0,
+               metrics_require_key: bool = False) -> FastAPI:
     """The HTTP gateway in front of ``backend``.
 
     ``api_keys``: accepted bearer tokens (none: no authentication); /health, /ready and
-    /metrics stay open. ``max_body_bytes``: larger bodies get 413. ``request_timeout_s``:
+    /metrics stay open (``metrics_require_key``: /metrics needs a key too). /ready and
+    /metrics read what the backend caches; they do not call the workers.
+    ``max_body_bytes``: larger bodies get 413. ``request_timeout_s``:
     deadline of one request (None: none), after which it is aborted and answered 504
     (or, once streaming, with an SSE error event). ``max_n``: the largest ``n``;
     ``max_prompts``: the most prompts in one completions request. ``ready_timeout_s``
@@ -48,6 +51,8 @@ def create_app(backend: Backend, tokenizer: Tokenizer, *, api_keys: Sequence[str
         raise ValueError(f"request_timeout_s must be > 0 or None, got {request_timeout_s!r}")
     if isinstance(api_keys, str):
         raise ValueError("api_keys must be a sequence of keys, not one string")
+    if metrics_require_key and not api_keys:
+        raise ValueError("metrics_require_key needs api_keys: /metrics cannot ask for a key none has")
     state = GatewayState(backend=backend, tokenizer=tokenizer, request_timeout_s=request_timeout_s, max_n=max_n,
                          max_prompts=max_prompts, ready_timeout_s=ready_timeout_s)
     app = FastAPI(title="tandem", version="0.1.0", docs_url=None, redoc_url=None,
@@ -55,7 +60,8 @@ def create_app(backend: Backend, tokenizer: Tokenizer, *, api_keys: Sequence[str
     app.state.gateway = state
     install_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
-    app.add_middleware(ApiKeyMiddleware, api_keys=list(api_keys), open_paths=OPEN_PATHS)  # outermost: runs first
+    open_paths = [p for p in OPEN_PATHS if not (metrics_require_key and p == "/metrics")]
+    app.add_middleware(ApiKeyMiddleware, api_keys=list(api_keys), open_paths=open_paths)  # outermost: runs first
 
     @app.post("/v1/completions", response_model=None, responses=generate_responses(CompletionResponse),
               summary="Create a completion")

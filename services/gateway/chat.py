@@ -13,7 +13,7 @@ from services.gateway.logprobs import TokenStrings, chat_logprobs
 from services.gateway.prompts import chat_prompt
 from services.gateway.responder import respond
 from services.gateway.sampling import check_common, max_tokens_for, sampling_params
-from services.gateway.schemas import ChatCompletionRequest
+from services.gateway.schemas import UNSUPPORTED_CHAT_FIELDS, ChatCompletionRequest
 from services.gateway.state import GatewayState
 
 
@@ -72,13 +72,14 @@ async def create_chat_completion(state: GatewayState, req: ChatCompletionRequest
     """Validate, render the chat template, generate ``n`` choices and answer."""
     state.check_model(req.model)
     backend = state.backend
-    if req.tools:
-        raise bad_request("tools are not supported", param="tools")
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise bad_request("only response_format {\"type\": \"text\"} is supported", param="response_format")
-    n = check_common(req, max_n=state.max_n, vocab_size=backend.vocab_size)
+    for name in UNSUPPORTED_CHAT_FIELDS:
+        value = getattr(req, name)
+        if value not in (None, [], {}, "none"):
+            raise bad_request(f"{name} is not supported (this server does not call tools)", param=name)
+    n = check_common(req, max_n=state.max_n, vocab_size=backend.vocab_size,
+                     max_model_len=backend.max_model_len)
     num_logprobs = _num_logprobs(req)
-    ids = chat_prompt(req, state.tokenizer, backend.vocab_size)
+    ids = await chat_prompt(req, state.tokenizer, backend.vocab_size, backend.max_model_len)
     requested, param = ((req.max_completion_tokens, "max_completion_tokens") if req.max_completion_tokens
                         is not None else (req.max_tokens, "max_tokens"))
     max_tokens = max_tokens_for(requested, len(ids), backend.max_model_len, default=None, param=param,

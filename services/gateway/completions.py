@@ -68,8 +68,10 @@ async def create_completion(state: GatewayState, req: CompletionRequest, request
         raise bad_request("suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of > 1:
         raise bad_request("best_of is not supported (use n)", param="best_of")
-    n = check_common(req, max_n=state.max_n, vocab_size=backend.vocab_size)
-    prompts = completion_prompts(req, state.tokenizer, backend.vocab_size, state.max_prompts)
+    n = check_common(req, max_n=state.max_n, vocab_size=backend.vocab_size,
+                     max_model_len=backend.max_model_len)
+    prompts = await completion_prompts(req, state.tokenizer, backend.vocab_size, state.max_prompts,
+                                       backend.max_model_len)
     jobs = []
     for p, ids in enumerate(prompts):
         max_tokens = max_tokens_for(req.max_tokens, len(ids), backend.max_model_len, default=DEFAULT_MAX_TOKENS)

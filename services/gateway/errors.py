@@ -14,6 +14,8 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from services.common.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+from services.router.driver import TransferError, WorkerLostError
 from services.router.errors import ClusterFullError, NoWorkersError, PromptTooLargeError
 
 log = logging.getLogger(__name__)
@@ -69,28 +71,69 @@ def retry_after(seconds: float) -> str:
     return str(max(1, math.ceil(seconds)))
 
 
+# What a client reads when the cluster fails its request: fixed texts, never the
+# exception's own (a worker's exception carries a remote traceback, pids, node IPs, actor
+# ids and source paths). The detail goes to the gateway's log. The README lists them.
+BACKEND_ERRORS: dict[str, tuple[int, str]] = {
+    "no_workers": (503, "no workers are available to serve this request; retry after Retry-After seconds"),
+    "cluster_full": (429, "the cluster is full; retry after Retry-After seconds"),
+    "prompt_too_large": (400, "the prompt needs more KV cache than any worker of this cluster has"),
+    "rejected_by_worker": (400, "the model workers refused this request's parameters"),
+    "worker_failed": (503, "a worker failed while serving this request; retry it"),
+    "internal_error": (500, "internal error; the server's log has the details"),
+}
+
+
+def backend_error(code: str, *, param: str | None = None, headers: Mapping[str, str] | None = None) -> APIError:
+    """The fixed client error ``code`` of :data:`BACKEND_ERRORS`."""
+    status, message = BACKEND_ERRORS[code]
+    return APIError(status, message, param=param, code=code, headers=headers)
+
+
 def from_backend_error(exc: BaseException) -> APIError:
-    """Map what ``Backend.generate`` raises to the client's error."""
+    """Map what ``Backend.generate`` raises to the client's error (a fixed message; the detail is logged)."""
     if isinstance(exc, APIError):
         return exc
-    if isinstance(exc, NoWorkersError):
-        return APIError(503, f"no workers available: {exc}", code="no_workers",
-                        headers={"Retry-After": retry_after(exc.retry_after_s)})
-    if isinstance(exc, ClusterFullError):
-        return APIError(429, f"the cluster is full, retry later: {exc}", code="cluster_full",
-                        headers={"Retry-After": retry_after(exc.retry_after_s)})
+    if isinstance(exc, ClusterFullError):  # NoWorkersError included
+        code = "no_workers" if isinstance(exc, NoWorkersError) else "cluster_full"
+        log.warning("request refused (%s): %s", code, exc)
+        return backend_error(code, headers={"Retry-After": retry_after(exc.retry_after_s)})
     if isinstance(exc, PromptTooLargeError):
-        return bad_request(str(exc), param="prompt", code="context_length_exceeded")
+        log.warning("request refused (prompt_too_large): %s", exc)
+        return backend_error("prompt_too_large", param="prompt")
     if isinstance(exc, ValueError):
-        return bad_request(str(exc))
+        log.warning("the workers refused a request", exc_info=exc)
+        return backend_error("rejected_by_worker")
+    if isinstance(exc, (WorkerLostError, TransferError)):
+        log.error("a request failed after its retries", exc_info=exc)
+        return backend_error("worker_failed", headers={"Retry-After": "1"})
     log.error("backend request failed", exc_info=exc)
-    return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error")
+    return backend_error("internal_error")
 
 
 def _param_of(loc: tuple[Any, ...]) -> str | None:
     """The request field an error location points at (``("body", "temperature")`` -> ``temperature``)."""
     parts = list(loc[1:] if loc and loc[0] == "body" else loc)
     return parts[0] if parts and isinstance(parts[0], str) else None
+
+
+# Fields that take one of several shapes: one sentence instead of an error per shape.
+_SHAPES = {
+    "prompt": "prompt must be a non-empty string, a non-empty list of non-empty strings, a non-empty list of "
+              "token ids, or a non-empty list of non-empty lists of token ids (within the limits in /openapi.json)",
+    "stop": f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings, each of 1 to "
+            f"{MAX_STOP_STRING_CHARS} characters",
+}
+
+
+_TAGS = {"str", "int", "float", "bool", "list", "dict"}  # pydantic's names of plain union branches
+
+
+def _where(loc: tuple[Any, ...]) -> str:
+    """``("body", "prompt", "list[constrained-str]", 0)`` -> ``prompt.0`` (pydantic's union branch
+    names, which hold ``[`` or ``-`` or name a plain type, are left out: no field is named so)."""
+    parts = [str(p) for p in loc[1:] if not (isinstance(p, str) and ("[" in p or "-" in p or p in _TAGS))]
+    return ".".join(parts) or "body"
 
 
 def validation_error(exc: RequestValidationError) -> APIError:
@@ -106,12 +149,15 @@ def validation_error(exc: RequestValidationError) -> APIError:
     if loc in (("body",), ()):
         return bad_request("the request body must be a JSON object (Content-Type: application/json)")
     param = _param_of(loc)
-    msgs = []
-    for e in errors[:3]:
-        where = ".".join(str(p) for p in e.get("loc", ())[1:]) or "body"
-        msgs.append(f"{where}: {e.get('msg', 'invalid value')}")
-    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
-    return bad_request("invalid request: " + "; ".join(msgs) + more, param=param)
+    if param in _SHAPES and all(_param_of(tuple(e.get("loc", ()))) == param for e in errors):
+        return bad_request("invalid request: " + _SHAPES[param], param=param)
+    msgs: list[str] = []
+    for e in errors:
+        msg = f"{_where(tuple(e.get('loc', ())))}: {str(e.get('msg', 'invalid value')).removeprefix('Value error, ')}"
+        if msg not in msgs:
+            msgs.append(msg)
+    more = f" (and {len(msgs) - 3} more)" if len(msgs) > 3 else ""
+    return bad_request("invalid request: " + "; ".join(msgs[:3]) + more, param=param)
 
 
 def install_handlers(app: FastAPI) -> None:
@@ -146,7 +192,7 @@ def install_handlers(app: FastAPI) -> None:
 
     async def on_unexpected(request: Request, exc: Exception) -> Response:
         log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-        return counted(request, APIError(500, f"internal error: {type(exc).__name__}", code="internal_error"))
+        return counted(request, backend_error("internal_error"))
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation)

@@ -112,7 +112,9 @@ class Status(BaseModel):
 _RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying (integer >= 1).",
                                 "schema": {"type": "integer", "minimum": 1}}}
 _SSE = {"text/event-stream": {"schema": {
-    "type": "string", "description": "With stream: true, server-sent events: `data: <chunk JSON>` frames "
+    "type": "object", "required": ["data"],
+    "properties": {"data": {"type": "string", "description": "A chunk's JSON, an error's JSON, or [DONE]"}},
+    "description": "With stream: true, server-sent events (one schema per event): `data: <chunk JSON>` frames "
     "(an error after the stream started is a `data: {\"error\": ...}` frame), ending with `data: [DONE]`."}}}
 
 
@@ -139,8 +141,32 @@ def generate_responses(model: type[BaseModel]) -> dict[int | str, dict[str, Any]
 READ_RESPONSES = _errors(401, 404, 405, 413)
 
 
+def _apply_limits(node: Any, limits: dict[str, int]) -> None:
+    """Replace each ``x-limit`` marker (see ``schemas.limit``) with the bound it names."""
+    if isinstance(node, list):
+        for item in node:
+            _apply_limits(item, limits)
+        return
+    if not isinstance(node, dict):
+        return
+    name = node.pop("x-limit", None)
+    if name is not None:
+        key = "maxItems" if node.get("type") == "array" else "maximum"
+        node[key] = min(node.get(key, limits[name]), limits[name])
+    for value in node.values():
+        _apply_limits(value, limits)
+
+
+# top_logprobs > 0 needs logprobs: true (JSON Schema's if/then, so clients and fuzzers know)
+_TOP_LOGPROBS_NEED_LOGPROBS = {
+    "if": {"properties": {"top_logprobs": {"type": "integer", "minimum": 1}}, "required": ["top_logprobs"]},
+    "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+}
+
+
 def build_openapi(app: FastAPI, model_id: str) -> dict[str, Any]:
-    """The app's OpenAPI document: no 422 (validation errors are 400), ``model`` an enum of the served one."""
+    """The app's OpenAPI document: no 422 (validation errors are 400), ``model`` an enum of the
+    served one, and the bounds that depend on the model and the server filled in."""
     if app.openapi_schema is not None:
         return app.openapi_schema
     schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
@@ -154,5 +180,12 @@ def build_openapi(app: FastAPI, model_id: str) -> dict[str, Any]:
         prop = comps.get(name, {}).get("properties", {}).get("model")
         if prop is not None:
             prop["enum"] = [model_id]
+    if "ChatCompletionRequest" in comps:
+        comps["ChatCompletionRequest"].update(_TOP_LOGPROBS_NEED_LOGPROBS)
+    state = app.state.gateway
+    backend = state.backend
+    _apply_limits(schema, {"vocab": backend.vocab_size, "token_id": backend.vocab_size - 1,
+                           "context": backend.max_model_len - 1, "max_n": state.max_n,
+                           "max_prompts": state.max_prompts})
     app.openapi_schema = schema
     return schema

@@ -10,20 +10,23 @@ _FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "f
            "repetition_penalty", "seed", "max_tokens", "min_tokens", "stop", "stop_token_ids", "logprobs")
 
 
-def check_common(req: SamplingFields, *, max_n: int, vocab_size: int) -> int:
-    """Reject what no endpoint supports; return ``n``."""
+def check_common(req: SamplingFields, *, max_n: int, vocab_size: int, max_model_len: int) -> int:
+    """The bounds that depend on the server and the model (the schema's ``x-limit`` ones;
+    prompt + output against the context needs the prompt: :func:`max_tokens_for`); return ``n``."""
+    if getattr(req, "max_completion_tokens", None) is not None and req.max_tokens is not None \
+            and req.max_tokens >= max_model_len:  # unused (chat prefers max_completion_tokens), still bounded
+        raise bad_request(f"max_tokens must be below this model's maximum context length of {max_model_len} "
+                          f"tokens, got {req.max_tokens}", param="max_tokens", code="context_length_exceeded")
     n = 1 if req.n is None else req.n
     if n > max_n:
         raise bad_request(f"n must be at most {max_n}, got {n}", param="n")
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", param="logit_bias")
+    if req.top_k is not None and req.top_k > vocab_size:
+        raise bad_request(f"top_k must be at most the vocabulary size {vocab_size}, got {req.top_k}",
+                          param="top_k")
     for t in req.stop_token_ids or ():
         if t >= vocab_size:
             raise bad_request(f"stop_token_ids contains {t}, outside the vocabulary [0, {vocab_size})",
                               param="stop_token_ids")
-    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
-    if any(not s for s in stops):
-        raise bad_request("stop strings must not be empty", param="stop")
     return n
 
 
@@ -63,7 +66,7 @@ def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | Non
         "presence_penalty": req.presence_penalty or 0.0,
         "frequency_penalty": req.frequency_penalty or 0.0,
         "repetition_penalty": 1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        "min_tokens": req.min_tokens or 0,
+        "min_tokens": min(req.min_tokens or 0, max_tokens),  # max_tokens always ends the output
         "stop": tuple([req.stop] if isinstance(req.stop, str) else (req.stop or ())),
         "stop_token_ids": tuple(req.stop_token_ids or ()),
         "ignore_eos": bool(req.ignore_eos),

@@ -12,9 +12,48 @@ from typing import Any
 
 import uvicorn
 
-from services.gateway.state import mark_draining
+from services.gateway.errors import APIError
+from services.gateway.state import GatewayState, mark_draining
 
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
+CUT_GRACE_S = 5.0  # after the drain timeout: for cut streams to send their error and [DONE]
+
+
+class _CuttableBackend:
+    """The app's backend, with every stream cut cleanly on demand: once ``cut`` is set,
+    each ``generate`` raises a 503 ``APIError``, which the response turns into an SSE
+    error event followed by ``[DONE]`` (or a 503 body), and the backend request is
+    closed (aborted) behind it. Everything else is the wrapped backend's."""
+
+    def __init__(self, inner: Any, cut: asyncio.Event) -> None:
+        self._inner, self._cut = inner, cut
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def generate(self, *args: Any, **kwargs: Any):
+        stream = self._inner.generate(*args, **kwargs)
+        cut = asyncio.ensure_future(self._cut.wait())
+        step: asyncio.Future | None = None
+        try:
+            while True:
+                step = asyncio.ensure_future(stream.__anext__())
+                await asyncio.wait({step, cut}, return_when=asyncio.FIRST_COMPLETED)
+                if not step.done():
+                    raise APIError(503, "the server is shutting down and could not finish "
+                                   "this request in its drain time; retry it",
+                                   code="server_shutting_down", headers={"Retry-After": "1"})
+                try:
+                    delta = step.result()
+                except StopAsyncIteration:
+                    return
+                yield delta
+        finally:
+            cut.cancel()
+            if step is not None and not step.done():  # the stream must be idle to be closed
+                step.cancel()
+                await asyncio.gather(step, return_exceptions=True)
+            await stream.aclose()
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
@@ -28,10 +67,30 @@ class GatewayServer(uvicorn.Server):
     """``uvicorn.Server`` that drains on SIGINT/SIGTERM and returns instead of re-raising the signal.
 
     The first signal stops accepting connections, makes ``/ready`` answer 503, and waits
-    up to the drain timeout for in-flight requests (streams included) before cancelling
-    them (which aborts their backend requests). A second signal forces the exit.
+    up to the drain timeout for in-flight requests (streams included). What is still
+    running then is cut cleanly: streams end with an SSE error event and ``[DONE]``,
+    other requests get a 503, and their backend requests are aborted; only what does not
+    end within a few more seconds is cancelled outright. A second signal forces the exit.
     ``serve()`` then returns normally so the caller can shut its cluster down.
     """
+
+    def __init__(self, config: uvicorn.Config, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> None:
+        super().__init__(config)
+        self.drain_timeout_s = drain_timeout_s
+        self._cut: asyncio.Event | None = None
+        state = getattr(getattr(config.app, "state", None), "gateway", None)
+        self._state = state if isinstance(state, GatewayState) else None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        if self._state is not None and self._cut is None:  # the event belongs to this loop
+            self._cut = asyncio.Event()
+            self._state.backend = _CuttableBackend(self._state.backend, self._cut)
+        await super().serve(sockets)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self._cut is not None:
+            asyncio.get_running_loop().call_later(self.drain_timeout_s, self._cut.set)
+        await super().shutdown(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         mark_draining(self.config.app)
@@ -49,9 +108,12 @@ def make_server(app: Any, host: str = "127.0.0.1", port: int = 8000, *,
                 drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S, log_level: str = "info",
                 access_log: bool = True, **uvicorn_kwargs: Any) -> GatewayServer:
     """A configured, not yet started :class:`GatewayServer` (extra kwargs go to ``uvicorn.Config``)."""
-    config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=drain_timeout_s,
+    if drain_timeout_s < 0:
+        raise ValueError(f"drain_timeout_s must be >= 0, got {drain_timeout_s}")
+    config = uvicorn.Config(app, host=host, port=port,
+                            timeout_graceful_shutdown=drain_timeout_s + CUT_GRACE_S,
                             log_level=log_level, access_log=access_log, lifespan="on", **uvicorn_kwargs)
-    return GatewayServer(config)
+    return GatewayServer(config, drain_timeout_s)
 
 
 def serve(app: Any, host: str = "127.0.0.1", port: int = 8000, *,

@@ -1,4 +1,9 @@
-"""Server-sent events: ``data: {...}\\n\\n`` frames and the response that streams them."""
+"""Server-sent events: ``data: {...}\\n\\n`` frames and the response that streams them.
+
+Each frame's JSON escapes U+2028, U+2029 and U+0085 (NEL): JSON allows them raw in
+strings, but many line splitters (Python's ``str.splitlines``, httpx's ``aiter_lines``,
+JavaScript-era SSE clients) break lines there and would cut the event in two.
+"""
 
 from __future__ import annotations
 
@@ -13,10 +18,18 @@ from services.gateway.errors import dumps
 
 DONE = b"data: [DONE]\n\n"
 
+# UTF-8 of the characters some clients take for line breaks -> their JSON escapes. UTF-8 is
+# self-synchronising, so these byte runs only ever encode these characters.
+_LINE_BREAKS = ((b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"), (b"\xc2\x85", b"\\u0085"))
+
 
 def frame(obj: Any) -> bytes:
-    """One SSE event carrying ``obj`` as JSON."""
-    return b"data: " + dumps(obj) + b"\n\n"
+    """One SSE event carrying ``obj`` as JSON, on one line whatever splitter a client uses."""
+    data = dumps(obj)
+    for raw, escaped in _LINE_BREAKS:
+        if raw in data:
+            data = data.replace(raw, escaped)
+    return b"data: " + data + b"\n\n"
 
 
 class EventStream(StreamingResponse):

@@ -14,13 +14,15 @@ import logging
 
 from services.common.config import EngineConfig
 from services.engine.engine import EngineOutput, LLMEngine
+from services.engine.engine_loop import EngineLoopStopped
 from services.engine.sequence import Sequence
 from services.protocol.messages import KVTransferDescriptor
 from services.protocol.request_path import PrefillRequest, PrefillResult, TokenLogprob
+from services.transfer.channel import ChannelBrokenError
 from services.transfer.endpoint import make_sender, open_channel
 from services.transfer.layout import MIN_RUN_PLANE_BYTES
 from services.transfer.sender import SendJob, SendReport
-from services.transfer.worker_base import EngineWorker
+from services.worker.engine_worker import EngineWorker
 
 log = logging.getLogger(__name__)
 
@@ -29,13 +31,22 @@ class RequestAbortedError(RuntimeError):
     """The request was aborted before its first token."""
 
 
+class PrefillTimeoutError(TimeoutError):
+    """Token #1 did not come within the prefill deadline (the worker's queue is too long)."""
+
+
+class PrefillFailedError(RuntimeError):
+    """The engine step running the prompt raised; the request ended, the worker serves on."""
+
+
 class PrefillWorker(EngineWorker):
     """Wrap with ``ray.remote`` (async actor); one engine, one sender."""
 
     def __init__(self, worker_id: str, config: EngineConfig, niceness: int = 0) -> None:
         super().__init__(worker_id, config, "prefill", on_layer_done=self._on_layer_done,
-                         niceness=niceness)
+                         niceness=niceness, on_request_failed=self._end_on_engine)
         self.sender = None
+        self._joined = False  # joined a transfer group once: without one now, it is broken
         self._descriptors: dict[str, KVTransferDescriptor] = {}
         self._by_transfer: dict[str, str] = {}  # transfer id -> request id
         self._sending: set[str] = set()  # requests whose final step ran: sends queued
@@ -43,10 +54,12 @@ class PrefillWorker(EngineWorker):
 
     def join_transfer_group(self, backend: str, world_size: int, rank: int, group_name: str,
                             timeout_ms: int = 30_000,
-                            in_place_min_bytes: int | None = MIN_RUN_PLANE_BYTES) -> int:
+                            in_place_min_bytes: int | None = MIN_RUN_PLANE_BYTES,
+                            op_timeout_s: float = 30.0) -> int:
         """Become ``rank`` of the transfer group (all workers call this together)."""
-        channel = open_channel(backend, world_size, rank, group_name, timeout_ms)
+        channel = open_channel(backend, world_size, rank, group_name, timeout_ms, op_timeout_s)
         self.sender = make_sender(channel, self.engine, self._on_sent, in_place_min_bytes)
+        self._joined = True
         return rank
 
     def leave_transfer_group(self) -> None:
@@ -56,6 +69,12 @@ class PrefillWorker(EngineWorker):
             sender.channel.close()
             sender.close()
 
+    def transfer_broken(self) -> str | None:
+        sender = self.sender
+        if sender is None:
+            return "left the transfer group" if self._joined else None
+        return sender.channel.broken
+
     def counters(self) -> dict:
         sender = self.sender
         return {"kv_bytes_sent": self.kv_bytes_sent,
@@ -64,26 +83,40 @@ class PrefillWorker(EngineWorker):
 
     # -- requests ---------------------------------------------------------------
     async def prefill(self, req: PrefillRequest, timeout_s: float = 120.0) -> PrefillResult:
-        """Prefill, start pushing KV to ``req.descriptor``, return token #1."""
-        if req.descriptor is not None and self.sender is None:
-            raise RuntimeError(f"prefill worker {self.worker_id} has not joined a transfer group")
+        """Prefill, start pushing KV to ``req.descriptor``, return token #1.
+
+        Raises ``PrefillTimeoutError`` when token #1 is not out within ``timeout_s``
+        (queued behind too much work), ``PrefillFailedError`` when the step running
+        it raised; the request is aborted either way.
+        """
+        if req.descriptor is not None and (broken := self.transfer_broken() or (
+                None if self.sender is not None else "not in a transfer group")):
+            raise ChannelBrokenError(f"prefill worker {self.worker_id}: {broken}")
         aio = asyncio.get_running_loop()
         first: asyncio.Future[EngineOutput] = aio.create_future()
 
-        def sink(out: EngineOutput) -> None:
-            aio.call_soon_threadsafe(lambda: first.done() or first.set_result(out))
+        def settle(fn) -> None:
+            aio.call_soon_threadsafe(lambda: first.done() or fn())
 
         rid = req.request_id
-        self.loop.open_stream(rid, sink)
+        self.loop.open_stream(rid, lambda out: settle(lambda: first.set_result(out)),
+                              lambda exc: settle(lambda: first.set_exception(exc)))
         if req.descriptor is not None:
             self._descriptors[rid] = req.descriptor
             self._by_transfer[req.descriptor.transfer_id] = rid
         try:
-            await asyncio.wrap_future(self.loop.submit(
-                lambda e: e.add_request(rid, req.prompt_token_ids, req.sampling_params)))
-            out = await asyncio.wait_for(first, timeout_s)
-        except BaseException:
-            await self.abort(rid)
+            await self._run(lambda e: e.add_request(rid, req.prompt_token_ids, req.sampling_params))
+            try:
+                out = await asyncio.wait_for(first, timeout_s)
+            except asyncio.TimeoutError:
+                raise PrefillTimeoutError(f"{rid}: no first token within {timeout_s:g}s on "
+                                          f"{self.worker_id}") from None
+        except BaseException as e:
+            await asyncio.shield(self.abort(rid))
+            if isinstance(e, Exception) and not isinstance(
+                    e, (PrefillTimeoutError, ValueError, EngineLoopStopped)):
+                raise PrefillFailedError(f"{rid} failed on {self.worker_id}: "
+                                         f"{type(e).__name__}: {e}") from e
             raise
         finally:
             self.loop.close_stream(rid)
@@ -101,16 +134,25 @@ class PrefillWorker(EngineWorker):
     async def abort(self, request_id: str) -> None:
         """Stop a prefill; KV already queued for sending is freed once the sends end."""
         def run(e: LLMEngine) -> None:
-            if request_id in self._sending:
-                return  # the sender's completion frees it
-            d = self._descriptors.pop(request_id, None)
-            if d is not None:
-                self._by_transfer.pop(d.transfer_id, None)
-            out = e.abort(request_id)
-            e.release(request_id)
+            out = self._end_on_engine(e, request_id)
             if out is not None:
                 self.loop.dispatch([out])  # wakes a prefill() waiting on it
-        await asyncio.wrap_future(self.loop.submit(run))
+        try:
+            await self._run(run)
+        except Exception as e:  # the engine is gone: its blocks with it
+            log.warning("could not abort %s on %s: %s", request_id, self.worker_id, e)
+
+    def _end_on_engine(self, e: LLMEngine, request_id: str) -> EngineOutput | None:
+        """End a request on the engine thread; blocks with sends queued are freed by the
+        sender's completion instead, so no send reads blocks another request owns."""
+        if request_id in self._sending:
+            return None
+        d = self._descriptors.pop(request_id, None)
+        if d is not None:
+            self._by_transfer.pop(d.transfer_id, None)
+        out = e.abort(request_id)
+        e.release(request_id)
+        return out
 
     def _kv_bytes(self, req: PrefillRequest) -> int:
         d = req.descriptor

@@ -5,10 +5,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-DISAGGREGATED = "disaggregated"
-COLOCATED = "colocated"
-CONDITIONAL = "conditional"
-MODES = (DISAGGREGATED, COLOCATED, CONDITIONAL)
+from services.common.config import LOCAL_PREFILL_THRESHOLD, MAX_QUEUED_REQUESTS, ClusterMode
+
+DISAGGREGATED = ClusterMode.DISAGGREGATED.value
+COLOCATED = ClusterMode.COLOCATED.value
+CONDITIONAL = ClusterMode.CONDITIONAL.value
+MODES = tuple(m.value for m in ClusterMode)
 
 
 @dataclass(frozen=True)
@@ -37,9 +39,9 @@ class RouterConfig:
     """
 
     mode: str = DISAGGREGATED
-    local_prefill_threshold: int = 256
+    local_prefill_threshold: int = LOCAL_PREFILL_THRESHOLD
     prefill_saturation_tokens: int = 16384
-    max_queued_requests: int = 128
+    max_queued_requests: int = MAX_QUEUED_REQUESTS
     block_size: int = 16
     prefix_weight: float = 1.0
     prefix_cache_blocks: int = 16384

@@ -11,8 +11,9 @@ on with no token lost or repeated (deltas carry their output index).
 from __future__ import annotations
 
 import logging
+import secrets
 from contextlib import aclosing
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Protocol
 
 from services.common.sampling_params import SamplingParams
@@ -25,11 +26,17 @@ log = logging.getLogger(__name__)
 
 
 class WorkerLostError(RuntimeError):
-    """A worker died or stopped answering; ``worker_id`` names it."""
+    """A worker died or stopped answering; ``worker_id`` names it.
 
-    def __init__(self, worker_id: str, message: str) -> None:
+    ``transient``: the worker is only unreachable for now (e.g. Ray's
+    ``ActorUnavailableError``): the request is re-driven elsewhere but the
+    worker is not marked dead.
+    """
+
+    def __init__(self, worker_id: str, message: str, transient: bool = False) -> None:
         super().__init__(message)
         self.worker_id = worker_id
+        self.transient = transient
 
 
 class TransferError(RuntimeError):
@@ -60,11 +67,16 @@ class RequestDriver:
     """Runs requests through ``router`` with bounded retries."""
 
     def __init__(self, router: Router, *, max_attempts: int = 3,
-                 layer_group_size: int | None = None, checksum: bool = False) -> None:
+                 layer_group_size: int | None = None, checksum: bool = False,
+                 wait_until_serving: Callable[[], Awaitable[None]] | None = None) -> None:
+        """``wait_until_serving()`` returns once the cluster can serve again (bounded;
+        e.g. a transfer group rebuild finished): a re-drive awaits it first instead of
+        spending its attempts against a group that is being rebuilt."""
         self.router = router
         self.max_attempts = max_attempts
         self.layer_group_size = layer_group_size
         self.checksum = checksum
+        self.wait_until_serving = wait_until_serving
         self.num_redrives = 0
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int],
@@ -89,10 +101,12 @@ class RequestDriver:
                     if attempt >= self.max_attempts:
                         raise
                     lost = {e.worker_id} if isinstance(e, WorkerLostError) else set()
-                    for worker_id in lost:
-                        self.router.mark_dead(worker_id)
+                    if isinstance(e, WorkerLostError) and not e.transient:
+                        self.router.mark_dead(e.worker_id)
                     log.warning("re-driving %s after %s (attempt %d)", request_id, e, attempt)
                     self.num_redrives += 1
+                    if self.wait_until_serving is not None:
+                        await self.wait_until_serving()
                     decision = self.router.retry(
                         request_id, exclude=lost, prompt_token_ids=prompt + tuple(produced),
                         max_tokens=max(1, max_tokens - len(produced)))
@@ -108,8 +122,9 @@ class RequestDriver:
             if prefill is None or produced:  # local prefill, or re-drive after token #1
                 req = DecodeRequest(rid, prompt, params, output_token_ids=tuple(produced))
             else:
-                desc = await decode.reserve(rid, prompt, params, prefill.rank, f"{rid}#{attempt}",
-                                            self.layer_group_size, self.checksum)
+                desc = await decode.reserve(rid, prompt, params, prefill.rank,
+                                            transfer_id(rid, attempt), self.layer_group_size,
+                                            self.checksum)
                 if desc is None:
                     raise ClusterFullError(f"decode worker {decode.worker_id} has no free blocks",
                                            retry_after_s=self.router.config.retry_after_s)
@@ -134,6 +149,12 @@ class RequestDriver:
         finally:
             if not finished:  # the caller left or a worker failed: free D's blocks and slot
                 await _quietly(decode.abort(rid))
+
+
+def transfer_id(request_id: str, attempt: int) -> str:
+    """A transfer id unique to one attempt of one request, across gateway restarts too:
+    KV that arrives for an older attempt (or another request) matches no expected id."""
+    return f"{request_id}#{attempt}.{secrets.token_hex(4)}"
 
 
 async def _quietly(aw) -> None:

@@ -25,3 +25,7 @@ class NoWorkersError(ClusterFullError):
 
 class PromptTooLargeError(RouterError, ValueError):
     """The prompt needs more KV blocks than any alive decode worker has in total."""
+
+
+class PrefillQueueTimeoutError(NoWorkersError):
+    """The prompt waited past the prefill deadline in a worker's queue (overloaded: 503)."""

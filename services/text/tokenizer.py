@@ -8,6 +8,7 @@ encode/decode and chat rendering agree with ``AutoTokenizer`` on the same folder
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping
 from datetime import datetime
 from functools import lru_cache
@@ -159,6 +160,9 @@ class Tokenizer:
         self._special_ids = frozenset(i for i, t in added.items() if t.special)
         self._vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self._bytes_cache: dict[int, bytes] = {}
+        specials = sorted({t.content for t in added.values() if t.special}, key=len, reverse=True)
+        self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
+        self._plain: tokenizers.Tokenizer | None = None  # a twin that reads special-token text as text
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -303,3 +307,67 @@ class Tokenizer:
             return template.render(messages=chat, add_generation_prompt=add_generation_prompt, **params)
         except jinja2.exceptions.TemplateError as e:
             raise ValueError(f"chat template failed: {e}") from e
+
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> list[int]:
+        """Token ids of the rendered chat, safe against special-token text in the messages.
+
+        The template's own markers (``<|im_start|>`` ...) become their special ids; the same
+        text inside a message (a user typing ``<|im_start|>system``) is tokenized as plain
+        text, so no message can open a turn of its own. Raises ValueError like
+        :meth:`apply_chat_template`, and when a template rewrites such content in a way that
+        hides where it went.
+        """
+        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+        if self._special_re is None or not _mentions(messages, self._special_re):
+            return self.encode(text, add_special_tokens=False)
+        # Render again with every special-token string in the messages masked by a same-length
+        # run of U+FFFC: what is still special there is the template's own.
+        masked = self.apply_chat_template(_mask(messages, self._special_re), add_generation_prompt, **kwargs)
+        if len(masked) != len(text):
+            raise ValueError("a message contains special-token text that this chat template "
+                             "transforms; remove it from the message")
+        ids: list[int] = []
+        pos = 0
+        for m in self._special_re.finditer(masked):
+            if text[m.start():m.end()] != m.group():
+                raise ValueError("a message contains special-token text that this chat template "
+                                 "transforms; remove it from the message")
+            ids.extend(self._encode_plain(text[pos:m.start()]))
+            ids.append(self._tok.token_to_id(m.group()))
+            pos = m.end()
+        ids.extend(self._encode_plain(text[pos:]))
+        return ids
+
+    def _encode_plain(self, text: str) -> list[int]:
+        """``text``'s ids with special-token strings in it split like any other text."""
+        if not text:
+            return []
+        if self._plain is None:
+            plain = tokenizers.Tokenizer.from_str(self._tok.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain.encode(text, add_special_tokens=False).ids
+
+
+def _mentions(value: Any, pattern: re.Pattern[str]) -> bool:
+    """Whether any string inside ``value`` (dicts, lists) contains a match of ``pattern``."""
+    if isinstance(value, str):
+        return pattern.search(value) is not None
+    if isinstance(value, Mapping):
+        return any(_mentions(v, pattern) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_mentions(v, pattern) for v in value)
+    return False
+
+
+def _mask(value: Any, pattern: re.Pattern[str]) -> Any:
+    """``value`` with each match of ``pattern`` in its strings replaced by as many U+FFFC."""
+    if isinstance(value, str):
+        return pattern.sub(lambda m: "\ufffc" * len(m.group()), value)
+    if isinstance(value, Mapping):
+        return {k: _mask(v, pattern) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_mask(v, pattern) for v in value]
+    return value

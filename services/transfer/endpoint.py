@@ -24,8 +24,10 @@ def compatibility(engine: LLMEngine) -> CompatibilityDescriptor:
 
 
 def open_channel(backend: str, world_size: int, rank: int, group_name: str,
-                 timeout_ms: int) -> KVChannel:
-    return CollectiveChannel(backend, world_size, rank, group_name, timeout_ms)
+                 timeout_ms: int, op_timeout_s: float) -> KVChannel:
+    """Join the group (rendezvous within ``timeout_ms``); each send/recv is bounded
+    by ``op_timeout_s``."""
+    return CollectiveChannel(backend, world_size, rank, group_name, timeout_ms, op_timeout_s)
 
 
 def make_sender(channel: KVChannel, engine: LLMEngine, on_done: Callable[[SendReport], None],

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -71,6 +72,8 @@ class KVReceiver:
         with self._lock:
             if src_rank in self.dead_peers:
                 raise ConnectionError(f"prefill rank {src_rank} is unreachable")
+            if self.channel.broken is not None:
+                raise ConnectionError(f"the transfer channel is broken: {self.channel.broken}")
             if transfer_id in self._pending:
                 raise ValueError(f"transfer {transfer_id!r} is already expected")
             self._pending[transfer_id] = pt
@@ -107,12 +110,21 @@ class KVReceiver:
             pt.seconds = time.perf_counter() - pt.started
             pt.done.set()
 
+    @property
+    def broken(self) -> str | None:
+        """Why this receiver cannot receive any more (None while healthy)."""
+        if self.channel.broken is not None:
+            return self.channel.broken
+        if self.dead_peers:
+            return f"lost prefill ranks {sorted(self.dead_peers)}"
+        return None
+
     def _run(self, peer: int) -> None:
         header_buf = torch.zeros(HEADER_BYTES, dtype=torch.uint8, device=self.channel.device)
         staging = StagingBuffer(self.channel.device)
         while True:
             try:
-                self.channel.recv(header_buf, peer)
+                self.channel.recv(header_buf, peer, idle=True)
                 header = decode_header(header_buf.cpu().numpy().tobytes())
                 if header.segments:
                     self._receive_in_place(header, peer, staging)
@@ -120,19 +132,24 @@ class KVReceiver:
                     continue
                 payload = staging.view(header.num_bytes)
                 self.channel.recv(payload, peer)
+                self.bytes_received += header.num_bytes
+                self._deliver(header, payload, peer)
             except Exception as e:  # the peer died, the group broke, the stream is out of step
                 log.warning("KV receive from rank %d stopped: %s", peer, e)
-                self.dead_peers.add(peer)
                 with self._lock:
+                    self.dead_peers.add(peer)
                     lost = list(self._pending.values())
                 for pt in lost:
                     if pt.src_rank == peer:
                         self._finish(pt, TransferStatus.FAILED, f"prefill rank {peer} lost: {e}")
                 return
-            self.bytes_received += header.num_bytes
-            self._deliver(header, payload)
 
-    def _deliver(self, header, payload: torch.Tensor) -> None:
+    def _deliver(self, header, payload: torch.Tensor, peer: int) -> None:
+        """Write a received gathered payload into its transfer's blocks, or drop it.
+
+        The payload has been read off the channel in full, so whatever is wrong
+        with it fails only its transfer; the stream stays aligned.
+        """
         pt = self._pending.get(header.transfer_id)
         if pt is None:
             return  # unknown or forgotten: drained
@@ -140,16 +157,25 @@ class KVReceiver:
             if pt.done.is_set():
                 return  # aborted or timed out: drained
             g = header.layer_group
-            error = self._group_error(pt, g)
+            error = self._group_error(pt, g, peer)
+            if error is None:
+                shape = self._block_shape(len(pt.block_ids), pt.layer_groups[g])
+                expected = self.dtype.itemsize * math.prod(shape)
+                if header.num_bytes != expected:
+                    error = f"layer group {g}: {header.num_bytes} bytes, expected {expected}"
             if error is None and header.checksum is not None \
                     and checksum(payload) != header.checksum:
                 error = f"checksum mismatch in group {g}"
+            if error is None:
+                try:
+                    self._scatter(pt.block_ids, pt.layer_groups[g],
+                                  payload.view(self.dtype).view(shape))
+                except Exception as e:  # noqa: BLE001 - fails this transfer only
+                    error = f"layer group {g} could not be written: {type(e).__name__}: {e}"
             if error is not None:
+                log.warning("KV transfer %s failed: %s", pt.transfer_id, error)
                 self._fail_locked(pt, error)
                 return
-            layers = pt.layer_groups[g]
-            shape = self._block_shape(len(pt.block_ids), layers)
-            self._scatter(pt.block_ids, layers, payload.view(self.dtype).view(shape))
             self._group_received(pt, g, header.num_bytes)
 
     def _receive_in_place(self, header, peer: int, staging: StagingBuffer) -> None:
@@ -158,7 +184,7 @@ class KVReceiver:
         pt = self._pending.get(header.transfer_id)
         with pt.lock if pt is not None else contextlib.nullcontext():
             live = pt is not None and not pt.done.is_set()
-            error = self._in_place_error(pt, header, len(plan)) if live else None
+            error = self._in_place_error(pt, header, len(plan), peer) if live else None
             first_layer = pt.layer_groups[header.layer_group].start if live and not error else 0
             for layer, kv, start, n in plan:
                 if live and not error:
@@ -174,14 +200,18 @@ class KVReceiver:
             self._group_received(pt, header.layer_group, header.num_bytes)
 
     @staticmethod
-    def _group_error(pt: PendingTransfer, g: int) -> str | None:
+    def _group_error(pt: PendingTransfer, g: int, peer: int) -> str | None:
+        """Integrity of a group's arrival: from the expected rank, in range, once."""
+        if peer != pt.src_rank:
+            return f"layer group {g} came from rank {peer}, expected rank {pt.src_rank}"
         if not 0 <= g < len(pt.layer_groups) or g in pt.received:
             return f"unexpected layer group {g}"
         return None
 
-    def _in_place_error(self, pt: PendingTransfer, header, num_messages: int) -> str | None:
+    def _in_place_error(self, pt: PendingTransfer, header, num_messages: int,
+                        peer: int) -> str | None:
         g = header.layer_group
-        if (error := self._group_error(pt, g)) is not None:
+        if (error := self._group_error(pt, g, peer)) is not None:
             return error
         if self._plane is None:
             return "zero-copy payload, but this receiver has no cache planes"

@@ -123,3 +123,37 @@ def test_dead_worker_is_replaced_and_serves_again(cluster, prompts, reference):
     assert len(stats) == 4
     assert all(s["free_blocks"] == s["total_blocks"] for s in stats)
     assert {s["worker_id"] for s in stats if s.get("kv_bytes_received")} == {"decode-0", "decode-1"}
+
+
+def test_an_idle_cluster_heals_a_killed_worker_without_any_request(cluster):
+    """The refresher runs from start-up: nobody has to send a request for a dead worker
+    to be noticed and replaced."""
+    victim = cluster.prefill[1]
+    old = victim.actor
+    ray.kill(old, no_restart=True)
+    deadline = time.monotonic() + 120
+    while cluster.replacements == 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert cluster.replacements == 1 and victim.actor is not old
+    assert ray.get(victim.actor.load.remote())["alive"]
+
+
+def test_a_broken_channel_makes_the_worker_not_alive_until_the_group_is_rebuilt(
+        cluster, prompts, reference):
+    from services.cluster.backend import ClusterBackend
+
+    backend = ClusterBackend(cluster, "m", 512, VOCAB)
+    rebuilds = cluster.rebuilds
+    ray.get(cluster.decode[0].actor.leave_transfer_group.remote())  # its end of the channel
+    load = ray.get(cluster.decode[0].actor.load.remote())
+    assert not load["alive"] and load["engine_alive"] and load["transfer_broken"]
+    deadline = time.monotonic() + 120
+    while cluster.rebuilds == rebuilds and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert cluster.rebuilds == rebuilds + 1 and cluster.replacements == 0  # rebuilt, not replaced
+    assert asyncio.run(backend.ready())
+    assert ray.get(cluster.decode[0].actor.load.remote())["alive"]
+
+    async def on_progress(got):
+        pass
+    assert asyncio.run(_stream_all(cluster, prompts, on_progress)) == reference

@@ -52,7 +52,7 @@ BAD_COMPLETIONS = [
     (completion(logprobs=True), "logprobs"),
     (completion(logprobs=21), "logprobs"),
     (completion(max_tokens=0), "max_tokens"),
-    (completion(min_tokens=10, max_tokens=5), "min_tokens"),
+    (completion(min_tokens=-1), "min_tokens"),
     (completion(prompt=""), "prompt"),
     (completion(prompt=[]), "prompt"),
     (completion(prompt=[[]]), "prompt"),

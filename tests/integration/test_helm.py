@@ -138,6 +138,17 @@ def ray_custom_resources(param: str) -> dict[str, float]:
     return json.loads(param[1:-1].replace('\\"', '"'))
 
 
+def api_key_volume(docs: list[dict]) -> dict:
+    """The gateway's API-key Secret volume, after checking the container reads the key from it."""
+    spec = one(docs, "Deployment", f"{RELEASE}-gateway")["spec"]["template"]["spec"]
+    (vol,) = [v for v in spec["volumes"] if v["name"] == "api-key"]
+    gw = gateway_container(docs)
+    (mount,) = [m for m in gw["volumeMounts"] if m["name"] == "api-key"]
+    assert mount["readOnly"] is True
+    assert arg_value(gw["args"], "--api-key-file") == f"{mount['mountPath']}/{vol['secret']['items'][0]['path']}"
+    return vol["secret"]
+
+
 def gateway_container(docs: list[dict]) -> dict:
     dep = one(docs, "Deployment", f"{RELEASE}-gateway")
     (c,) = [c for c in dep["spec"]["template"]["spec"]["containers"] if c["name"] == "gateway"]
@@ -474,7 +485,8 @@ def test_the_validators_reject_broken_manifests():
 
 def test_defaults_render_a_cpu_cluster_with_one_worker_per_pool():
     docs = render_file("default-values.yaml")
-    assert sorted(d["kind"] for d in docs) == ["Deployment", "RayCluster", "Service", "ServiceAccount"]
+    assert sorted(d["kind"] for d in docs) == ["Deployment", "NetworkPolicy", "NetworkPolicy", "RayCluster",
+                                               "Secret", "Secret", "Service", "ServiceAccount"]
     rc = one(docs, "RayCluster")
     assert rc["metadata"]["name"] == RELEASE
     assert rc["spec"]["rayVersion"] == yaml.safe_load((CHART / "values.yaml").read_text())["ray"]["version"]
@@ -499,7 +511,9 @@ def test_defaults_render_a_cpu_cluster_with_one_worker_per_pool():
     assert arg_value(args, "--prefill-resource") == "tandem_prefill=1"
     assert arg_value(args, "--decode-resource") == "tandem_decode=1"
     assert "--model" not in args and "--device" not in args  # the embedded model, on CPU
-    assert "TANDEM_API_KEY" not in {e["name"] for e in gw["env"]}
+    assert arg_value(args, "--api-key-file") == "/var/run/secrets/tandem/api-key/api-key"
+    assert "--allow-unauthenticated" not in args
+    assert not {"TANDEM_API_KEY", "RAY_AUTH_TOKEN"} & {e["name"] for e in gw["env"]}  # keys are files
     env = {e["name"]: e.get("value") for e in gw["env"]}
     assert env["TANDEM_CACHE_DIR"].startswith("/home/tandem/")
     probes = {p: gw[p]["httpGet"]["path"] for p in ("livenessProbe", "readinessProbe", "startupProbe")}
@@ -578,10 +592,11 @@ def test_gpu_pools_land_in_the_raycluster_and_the_gateway():
     assert arg_value(args, "--decode-accelerator-type") == "L4"
     assert arg_value(args, "--model") == "/models/Llama-3.1-8B-Instruct"
 
-    # the API key comes from the existing Secret; the chart creates none
-    assert not of_kind(docs, "Secret")
-    (key,) = [e for e in gateway_container(docs)["env"] if e["name"] == "TANDEM_API_KEY"]
-    assert key["valueFrom"]["secretKeyRef"] == {"name": "tandem-api-key", "key": "token"}
+    # the API key comes from the existing Secret (the chart creates only the Ray token's)
+    assert [s["metadata"]["name"] for s in of_kind(docs, "Secret")] == [f"{RELEASE}-ray-auth"]
+    assert api_key_volume(docs) == {"secretName": "tandem-api-key", "defaultMode": 0o440,
+                                    "items": [{"key": "token", "path": "api-key"}]}
+    assert "checksum/api-key" not in json.dumps(one(docs, "Deployment")["spec"]["template"]["metadata"])
 
     # the model PVC, read-only, in the gateway and every worker
     for where, _, spec in pod_specs(docs):
@@ -600,6 +615,7 @@ def test_everything_on_renders_every_optional_resource_consistently():
     kinds = sorted(d["kind"] for d in docs)
     for kind in ("Ingress", "HorizontalPodAutoscaler", "NetworkPolicy", "ServiceMonitor", "PodMonitor", "Secret"):
         assert kind in kinds
+    assert kinds.count("Secret") == 2  # the API key and the Ray token
     assert kinds.count("PodDisruptionBudget") == 3
 
     dep = one(docs, "Deployment")
@@ -610,11 +626,11 @@ def test_everything_on_renders_every_optional_resource_consistently():
                                              "name": dep["metadata"]["name"]}
     assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (1, 4)
 
-    # the created API-key Secret holds the value and the gateway reads it
-    secret = one(docs, "Secret")
+    # the created API-key Secret holds the value and the gateway reads it as a file
+    secret = one(docs, "Secret", f"{RELEASE}-api-key")
     assert base64.b64decode(secret["data"]["api-key"]).decode() == values["apiKey"]["value"]
-    (key,) = [e for e in gateway_container(docs)["env"] if e["name"] == "TANDEM_API_KEY"]
-    assert key["valueFrom"]["secretKeyRef"] == {"name": secret["metadata"]["name"], "key": "api-key"}
+    assert api_key_volume(docs)["secretName"] == secret["metadata"]["name"]
+    assert api_key_volume(docs)["items"] == [{"key": "api-key", "path": "api-key"}]
     assert "checksum/api-key" in dep["spec"]["template"]["metadata"]["annotations"]
 
     svc = one(docs, "Service")
@@ -682,7 +698,10 @@ def test_everything_off_renders_only_the_core():
         assert vols["tmp"]["emptyDir"] == {} and vols["home"]["emptyDir"] == {}, where
         if not where.endswith("/head"):
             assert vols["model"]["hostPath"] == {"path": "/mnt/models", "type": "Directory"}, where
-    assert "TANDEM_API_KEY" not in {e["name"] for e in gateway_container(docs)["env"]}
+    gw = gateway_container(docs)
+    assert "TANDEM_API_KEY" not in {e["name"] for e in gw["env"]}
+    assert "--allow-unauthenticated" in gw["args"] and "--api-key-file" not in gw["args"]
+    assert "RAY_AUTH_MODE" not in json.dumps(docs)
 
 
 @pytest.mark.parametrize("values_file", VALUES_FILES)
@@ -760,7 +779,7 @@ def test_network_policies_keep_ray_traffic_among_ray_nodes():
     chosen = {w for w, labels in pods.items() if selects(api["podSelector"]["matchLabels"], labels)}
     assert chosen == {gateway}
     (rule,) = api["ingress"]
-    assert rule["ports"] == [{"port": "http", "protocol": "TCP"}] and "from" not in rule
+    assert rule == {"ports": [{"port": "http", "protocol": "TCP"}], "from": values["networkPolicy"]["apiFrom"]}
     http = {p["name"]: p["containerPort"] for p in gateway_container(docs)["ports"]}["http"]
     assert http not in RAY_PORTS
 
@@ -832,7 +851,8 @@ def test_package_resolves_links_and_leaves_ci_values_out(tmp_path):
 def test_notes_say_how_to_reach_the_api():
     notes = render_raw({})["tandem/templates/NOTES.txt"]
     assert f"kubectl -n {NAMESPACE} port-forward svc/{RELEASE}-gateway 8000:8000" in notes
-    assert "/v1/chat/completions" in notes and "WARNING: no API key" in notes
+    assert "/v1/chat/completions" in notes and "WARNING" not in notes  # closed by default
+    assert f"get secret {RELEASE}-api-key" in notes and "Authorization: Bearer $TANDEM_API_KEY" in notes
     notes = render_raw(load_values("all-on-values.yaml"))["tandem/templates/NOTES.txt"]
     assert "export TANDEM_URL=https://llm.example.com" in notes
     assert f"get secret {RELEASE}-api-key" in notes and "Authorization: Bearer $TANDEM_API_KEY" in notes
@@ -903,3 +923,188 @@ def _deref(schema: dict, node: dict) -> dict:
     while "$ref" in node:
         node = schema["$defs"][node["$ref"].rsplit("/", 1)[1]]
     return node
+
+
+# ------------------------------------------------------------------- secure by default
+
+def ray_containers(docs: list[dict]) -> Iterator[tuple[str, dict, dict]]:
+    """(where, container, pod spec) of every container that runs a Ray process."""
+    for where, _, spec in pod_specs(docs):
+        for c in spec["containers"]:
+            yield f"{where}/{c['name']}", c, spec
+    rc = one(docs, "RayCluster")
+    if rc["spec"]["enableInTreeAutoscaling"]:
+        yield "autoscaler", rc["spec"]["autoscalerOptions"], rc["spec"]["headGroupSpec"]["template"]["spec"]
+
+
+@pytest.mark.parametrize("values_file", ["default-values.yaml", "gpu-values.yaml", "all-on-values.yaml"])
+def test_every_ray_process_requires_the_ray_token_from_a_mounted_secret(values_file):
+    docs = render_file(values_file)
+    secret = one(docs, "Secret", f"{RELEASE}-ray-auth")
+    assert set(secret["data"]) == {"token"} and len(base64.b64decode(secret["data"]["token"])) >= 32
+    checked = 0
+    for where, c, spec in ray_containers(docs):
+        env = {e["name"]: e for e in c.get("env", [])}
+        assert env["RAY_AUTH_MODE"]["value"] == "token", where
+        assert "RAY_AUTH_TOKEN" not in env, where  # a file, never an environment variable
+        path = env["RAY_AUTH_TOKEN_PATH"]["value"]
+        (mount,) = [m for m in c["volumeMounts"] if m["name"] == "ray-auth"]
+        assert path == f"{mount['mountPath']}/token" and mount["readOnly"] is True, where
+        (vol,) = [v for v in spec["volumes"] if v["name"] == "ray-auth"]
+        assert vol["secret"]["secretName"] == secret["metadata"]["name"], where
+        assert vol["secret"]["items"] == [{"key": "token", "path": "token"}], where
+        assert vol["secret"]["defaultMode"] & 0o007 == 0, where  # not world-readable
+        checked += 1
+    assert checked == (5 if values_file == "all-on-values.yaml" else 4)
+
+
+def test_the_dashboard_is_on_loopback_unless_asked_for():
+    rc = one(render_file("default-values.yaml"), "RayCluster")
+    head = rc["spec"]["headGroupSpec"]
+    assert head["rayStartParams"]["dashboard-host"] == "127.0.0.1"
+    (c,) = head["template"]["spec"]["containers"]
+    for probe in ("readinessProbe", "livenessProbe"):  # the kubelet cannot reach loopback: probe inside
+        cmd = c[probe]["exec"]["command"]
+        assert cmd[:2] == ["python", "-c"] and "http://127.0.0.1:8265/api/gcs_healthz" in cmd[2]
+    assert "POD_IP" not in {e["name"] for e in c["env"]}
+
+    rc = one(render_file("all-on-values.yaml"), "RayCluster")
+    head = rc["spec"]["headGroupSpec"]
+    assert head["rayStartParams"]["dashboard-host"] == "$(POD_IP)"  # expanded by Kubernetes in args
+    (c,) = head["template"]["spec"]["containers"]
+    (pod_ip,) = [e for e in c["env"] if e["name"] == "POD_IP"]
+    assert pod_ip["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/api/gcs_healthz", "port": 8265}
+    assert "0.0.0.0" not in json.dumps(rc)
+
+
+def test_the_dashboard_host_is_not_a_raystartparam(tmp_path):
+    values = {"ray": {"head": {"rayStartParams": {"dashboard-host": "0.0.0.0"}}}}
+    report = helm.lint(str(CHART), values, strict=True, kube_version=f"v{KUBE_VERSION}")
+    assert "/ray/head/rayStartParams/dashboard-host" in "\n".join(lint_failures(report))
+
+
+OPENINGS = {
+    "networkPolicy": ({"networkPolicy": {"enabled": False}}, "networkPolicy.enabled=false"),
+    "ray-auth": ({"ray": {"auth": {"enabled": False}}}, "ray.auth.enabled=false"),
+    "api-key": ({"apiKey": {"enabled": False}}, "apiKey.enabled=false"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OPENINGS))
+def test_turning_a_defence_off_needs_an_explicit_flag_and_warns(case):
+    values, flag = OPENINGS[case]
+    with pytest.raises(helm.HelmError) as err, helm.Chart.load(str(CHART)) as chart:
+        chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    assert flag in str(err.value) and "security.allowInsecure=true" in str(err.value)
+
+    allowed = values | {"security": {"allowInsecure": True}}
+    notes = render_raw(allowed)["tandem/templates/NOTES.txt"]
+    assert f"WARNING: {flag}" in notes
+    assert notes.count("WARNING") == 1
+    docs = render(allowed)
+    if case == "networkPolicy":
+        assert not of_kind(docs, "NetworkPolicy")
+    elif case == "ray-auth":
+        assert "RAY_AUTH_MODE" not in json.dumps(docs) and not of_kind(docs, "Secret")[1:]
+        assert [s["metadata"]["name"] for s in of_kind(docs, "Secret")] == [f"{RELEASE}-api-key"]
+    else:
+        args = gateway_container(docs)["args"]
+        assert "--allow-unauthenticated" in args and "--api-key-file" not in args
+        assert [s["metadata"]["name"] for s in of_kind(docs, "Secret")] == [f"{RELEASE}-ray-auth"]
+
+
+@pytest.mark.parametrize("gateway", [{"ingress": {"enabled": True}}, {"service": {"type": "LoadBalancer"}},
+                                     {"service": {"type": "NodePort"}}])
+def test_a_public_entry_point_needs_networkpolicy_apifrom(gateway):
+    with pytest.raises(helm.HelmError) as err, helm.Chart.load(str(CHART)) as chart:
+        chart.render({"gateway": gateway}, name=RELEASE, namespace=NAMESPACE)
+    assert "name who may reach it" in str(err.value)
+    peers = [{"ipBlock": {"cidr": "10.0.0.0/8"}}]
+    api = one(render({"gateway": gateway, "networkPolicy": {"apiFrom": peers}}), "NetworkPolicy",
+              f"{RELEASE}-gateway-api")
+    assert api["spec"]["ingress"][0]["from"] == peers
+
+
+def test_default_network_policies_select_exactly_the_pods_they_protect():
+    docs = render_file("default-values.yaml")
+    pods = {where: meta["labels"] for where, meta, _ in pod_specs(docs)}
+    assert len(pods) == 4
+    gateway = f"Deployment/{RELEASE}-gateway"
+    policies = {p["metadata"]["name"]: p["spec"] for p in of_kind(docs, "NetworkPolicy")}
+
+    ray = policies[f"{RELEASE}-ray"]
+    assert {w for w, labels in pods.items() if selects(ray["podSelector"]["matchLabels"], labels)} == set(pods)
+    (rule,) = ray["ingress"]  # nothing but the release's Ray nodes, on any port
+    (peer,) = rule["from"]
+    assert set(peer) == {"podSelector"} and "ports" not in rule
+    assert {w for w, labels in pods.items() if selects(peer["podSelector"]["matchLabels"], labels)} == set(pods)
+    # a pod of another release (same chart, other instance) is not a peer
+    other = dict(pods[gateway]) | {"app.kubernetes.io/instance": "other"}
+    assert not selects(peer["podSelector"]["matchLabels"], other)
+
+    api = policies[f"{RELEASE}-gateway-api"]
+    assert {w for w, labels in pods.items() if selects(api["podSelector"]["matchLabels"], labels)} == {gateway}
+    (rule,) = api["ingress"]
+    assert rule == {"ports": [{"port": "http", "protocol": "TCP"}], "from": [{"podSelector": {}}]}  # this namespace
+    http = {p["name"] for p in gateway_container(docs)["ports"]}
+    assert "http" in http
+
+
+def _secret_values(docs: list[dict]) -> set[str]:
+    values = set()
+    for s in of_kind(docs, "Secret"):
+        for encoded in s.get("data", {}).values():
+            values |= {encoded, base64.b64decode(encoded).decode()}
+        values |= set(s.get("stringData", {}).values())
+    return values
+
+
+@pytest.mark.parametrize("values", [{}, load_values("all-on-values.yaml"), load_values("gpu-values.yaml")],
+                         ids=["defaults", "all-on", "gpu"])
+def test_no_secret_value_appears_outside_a_secret(values):
+    raw = render_raw(values)
+    docs = render(values)
+    secrets = _secret_values(docs)
+    assert secrets
+    if values.get("apiKey", {}).get("value"):
+        assert values["apiKey"]["value"] in secrets
+    elsewhere = [text for path, text in raw.items() if not path.endswith("/secret.yaml")]
+    for secret in secrets:
+        for text in elsewhere:
+            assert secret not in text
+
+
+def test_the_api_key_checksum_is_salted_by_a_salt_kept_in_the_secret():
+    import hashlib
+
+    values = load_values("all-on-values.yaml")
+    docs = render(values)
+    secret = one(docs, "Secret", f"{RELEASE}-api-key")
+    annotation = one(docs, "Deployment")["spec"]["template"]["metadata"]["annotations"]["checksum/api-key"]
+    key_b64 = secret["data"]["api-key"]
+    assert annotation != hashlib.sha256(values["apiKey"]["value"].encode()).hexdigest()  # not guessable
+    assert annotation == hashlib.sha256(f"{secret['data']['checksum-salt']}:{key_b64}".encode()).hexdigest()
+    assert len(base64.b64decode(secret["data"]["checksum-salt"])) >= 32
+    # the generated key (no value given): a fresh random one per install, 48 characters
+    generated = one(render_file("default-values.yaml"), "Secret", f"{RELEASE}-api-key")
+    key = base64.b64decode(generated["data"]["api-key"]).decode()
+    assert len(key) == 48 and key.isalnum()
+
+
+def test_metrics_behind_the_api_key_on_request():
+    values = load_values("all-on-values.yaml") | {"gateway": load_values("all-on-values.yaml")["gateway"]
+                                                  | {"metricsRequireKey": True}}
+    docs = render(values)
+    assert "--metrics-require-key" in gateway_container(docs)["args"]
+    sm = one(docs, "ServiceMonitor")
+    assert sm["spec"]["endpoints"][0]["authorization"] == {
+        "type": "Bearer", "credentials": {"name": f"{RELEASE}-api-key", "key": "api-key"}}
+    assert prometheus_operator_errors(sm) == []
+    if REQUIRED or _have("cloudcoil.models.prometheus_operator"):
+        assert cloudcoil_errors(sm) == []
+    assert "--metrics-require-key" not in gateway_container(render_file("all-on-values.yaml"))["args"]
+    with pytest.raises(helm.HelmError) as err, helm.Chart.load(str(CHART)) as chart:
+        chart.render({"gateway": {"metricsRequireKey": True}, "apiKey": {"enabled": False},
+                      "security": {"allowInsecure": True}}, name=RELEASE, namespace=NAMESPACE)
+    assert "gateway.metricsRequireKey needs apiKey.enabled" in str(err.value)

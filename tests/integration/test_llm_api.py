@@ -44,10 +44,12 @@ def cache_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def llm(cache_dir) -> LLM:
-    """``LLM()`` with no model: writes the default ``small`` checkpoint into the cache itself."""
+    """The random ``small`` preset, written into the cache on first use."""
+    from services.engine.default_model import default_model_path
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TANDEM_CACHE_DIR", str(cache_dir))
-        return LLM(model=None)
+        return LLM(str(default_model_path("small")))
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +79,7 @@ def test_default_model_is_written_into_the_cache(llm, cache_dir):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TANDEM_CACHE_DIR", str(cache_dir))
         from services.engine.default_model import default_model_path
-        assert default_model_path() == path
+        assert default_model_path("small") == path
 
 
 def test_default_model_greedy_matches_transformers(llm, model_dir):

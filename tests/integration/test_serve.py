@@ -136,6 +136,17 @@ def _sum(values: dict[str, float], pattern: str) -> float:
     return sum(v for k, v in values.items() if rx.fullmatch(k))
 
 
+def _wait_for_fresh_worker_metrics(server) -> None:
+    """/metrics serves the workers' families as of the last periodic refresh: wait for one
+    that began after now."""
+    telemetry = server.server.config.app.state.gateway.backend.telemetry
+    target = telemetry.refreshes + 2
+    deadline = time.monotonic() + 60
+    while telemetry.refreshes < target:
+        assert time.monotonic() < deadline, "the cluster snapshot stopped refreshing"
+        time.sleep(0.05)
+
+
 def test_metrics_count_what_was_served(served):
     server, _ = served
     before = _scrape(server.url)
@@ -147,7 +158,7 @@ def test_metrics_count_what_was_served(served):
             "model": "tiny", "prompt": PROMPTS[i % 4], "max_tokens": n, "ignore_eos": True})
         assert r.status_code == 200
         sent_tokens += r.json()["usage"]["completion_tokens"]
-    time.sleep(0.2)
+    _wait_for_fresh_worker_metrics(server)
     after = _scrape(server.url)
     delta = lambda pattern: _sum(after, pattern) - _sum(before, pattern)  # noqa: E731
     assert delta(r'tandem_requests_total\{finish_reason="length",status="200"\}') == 5

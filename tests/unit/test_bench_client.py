@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 
-from services.bench.client import completion_body, stream_completion
+from services.bench.client import completion_body, sse_data, stream_completion
 from services.bench.compare import ratios
 from services.bench.loadgen import run_requests
 from services.bench.workload import BenchRequest
@@ -67,6 +67,33 @@ def test_text_timing_counts_only_chunks_with_text():
 def test_errors_are_recorded_by_kind(handler, kind):
     res = _run(handler)
     assert res.error == kind and res.detail
+
+
+def _events(raw: bytes, piece: int) -> list[str]:
+    async def chunks():
+        for i in range(0, len(raw), piece):
+            yield raw[i:i + piece]
+
+    async def go():
+        return [e async for e in sse_data(chunks())]
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("piece", [1, 2, 7, 1 << 20])  # any chunking, CRLF and UTF-8 split across chunks
+def test_sse_lines_end_only_at_the_specs_line_endings(piece):
+    raw = ('data: {"t":"a\u2028b\u2029c\x85d\x1ce"}\r\n\r\n: a comment\n'
+           'event: x\ndata: one\rdata:two\r\r'
+           'data: 日本\n\ndata: cut off').encode()
+    assert _events(raw, piece) == ['{"t":"a\u2028b\u2029c\x85d\x1ce"}', "one\ntwo", "日本"]
+
+
+def test_a_raw_line_separator_inside_an_event_does_not_cut_it():
+    text = "before\u2028after\x85end"
+    content = _sse([_chunk(text), USAGE, "[DONE]"])  # json.dumps escapes them; send them raw instead
+    content = content.replace(b"\\u2028", "\u2028".encode()).replace(b"\\u0085", "\x85".encode())
+    assert "\u2028".encode() in content
+    res = _run(lambda r: httpx.Response(200, content=content))
+    assert res.error is None and res.done_t is not None and res.completion_tokens == 4
 
 
 def test_transport_failures_are_timeout_or_connection():

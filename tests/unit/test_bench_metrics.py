@@ -199,3 +199,31 @@ def test_arrival_and_rate_errors():
     for bad in ("", "a,b", "1,-2", "0"):
         with pytest.raises(ValueError):
             parse_rates(bad)
+
+
+def test_requests_cut_before_sending_are_not_sent_not_errors():
+    """A request whose arrival lies past the run's --max-duration never reaches the server:
+    recorded ``sent: false`` with no error, counted as ``not_sent``, out of every figure."""
+    import asyncio
+    import json as _json
+
+    import httpx
+
+    from services.bench.loadgen import run_requests
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        usage = {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5}}
+        body = "".join(f"data: {x}\n\n" for x in (_json.dumps(
+            {"choices": [{"index": 0, "text": "a", "finish_reason": "length"}]}), _json.dumps(usage), "[DONE]"))
+        return httpx.Response(200, content=body.encode())
+
+    reqs = [BenchRequest(i, [1] * 4, 4, 1, "k") for i in range(3)]
+    res = asyncio.run(run_requests("http://x", "m", reqs, [0.0, 0.0, 30.0], max_duration_s=0.5,
+                                   request_timeout_s=10, progress=False,
+                                   transport=httpx.MockTransport(handler)))
+    cut = res.records[2]
+    assert cut["sent"] is False and cut["error"] is None and not cut["ok"]
+    assert all(r["sent"] for r in res.records[:2])
+    s = summarize(res.records, res.duration_s, SLO(ttft_s=10.0, tpot_s=10.0, attainment=0.9))
+    assert s["not_sent"] == 1 and s["requests"] == 2 and s["completed"] == 2
+    assert s["failed"] == 0 and s["errors"] == {} and s["attainment"]["both"] == 1.0

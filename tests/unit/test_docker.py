@@ -151,6 +151,26 @@ def test_entrypoint_and_port(dockerfile):
     assert "TANDEM_CACHE_DIR=/home/tandem/.cache/tandem" in env
 
 
+def test_the_default_command_refuses_an_open_api_beyond_loopback(dockerfile):
+    """CMD binds 0.0.0.0:8000 as docker/README.md says; run as is with no key, tandem serve
+    stops at once and says how to give one (or to opt out)."""
+    import os
+    import subprocess
+    import sys
+
+    cmd = json.loads(dict(dockerfile.last_stage())["CMD"])
+    assert cmd == ["serve", "--host", "0.0.0.0", "--port", "8000"]
+    readme = (DOCKER / "README.md").read_text()
+    assert "--host 0.0.0.0 --port 8000" in readme and "TANDEM_API_KEY_FILE" in readme
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_API_KEY")}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.run([sys.executable, "-m", "services.cluster.cli", *cmd], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert "refusing to serve on 0.0.0.0 without an API key" in proc.stderr
+    assert "--allow-unauthenticated" in proc.stderr and "starting Ray" not in proc.stderr
+
+
 def test_installs_the_package_with_ray_cluster_extras(dockerfile):
     text = dockerfile.text
     args = dockerfile.args()

@@ -103,7 +103,9 @@ def test_gateway_joins_the_cluster_with_matching_worker_counts(compose):
     # the worker counts and the pools' replicas come from the same variables
     assert opt["--prefill-workers"] == compose["services"]["prefill"]["deploy"]["replicas"]
     assert opt["--decode-workers"] == compose["services"]["decode"]["deploy"]["replicas"]
-    assert svc["environment"]["TANDEM_API_KEY"] == "${TANDEM_API_KEY:-}"
+    # an API key is required (compose stops with the message when it is unset or empty)
+    assert svc["environment"]["TANDEM_API_KEY"].startswith("${TANDEM_API_KEY:?")
+    assert "--allow-unauthenticated" not in args
     assert "/health" in " ".join(svc["healthcheck"]["test"])
 
 
@@ -152,3 +154,14 @@ def test_promtool_accepts_the_scrape_configs(config):
     proc = subprocess.run(["promtool", "check", "config", str(DEPLOY / config)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_ray_requires_its_token_everywhere_and_keeps_the_dashboard_on_loopback(compose):
+    for name in TANDEM_SERVICES:
+        env = compose["services"][name]["environment"]
+        assert env["RAY_AUTH_MODE"] == "token", name
+        assert env["RAY_AUTH_TOKEN"].startswith("${TANDEM_RAY_TOKEN:?"), name  # required, no default
+    head = command(compose["services"]["ray-head"])
+    assert "--dashboard-host=127.0.0.1" in head
+    assert not any("0.0.0.0" in a for name in TANDEM_SERVICES if name != "gateway"
+                   for a in command(compose["services"][name]))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 
 import pytest
@@ -157,12 +158,15 @@ def test_logprob_rendering(tok):
 
 
 @pytest.mark.parametrize("field,value", [("temperature", False), ("max_tokens", "5"), ("n", 1.5),
-                                         ("stream", 1), ("top_k", 2.0), ("seed", True)])
+                                         ("stream", 1), ("top_k", 2.5), ("seed", True),
+                                         ("max_tokens", float("inf")), ("prompt", [1, 2.5])])
 def test_request_models_are_strict(field, value):
     with pytest.raises(ValueError):
         CompletionRequest.model_validate({"model": "m", "prompt": "x", field: value})
     ok = CompletionRequest.model_validate({"model": "m", "prompt": "x", "temperature": 1, "future_field": 1})
     assert ok.temperature == 1.0
+    as_json_schema = CompletionRequest.model_validate({"model": "m", "prompt": [1, 2.0], "top_k": 2.0})
+    assert as_json_schema.top_k == 2 and as_json_schema.prompt == [1, 2]  # 2.0 is an integer in JSON Schema
     with pytest.raises(ValueError):
         ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": 5}]})
 
@@ -202,3 +206,56 @@ def test_ready_answers_503_while_draining(tok):
         r = c.get("/ready")
         assert r.status_code == 503 and r.json() == {"status": "draining"}
         assert c.get("/health").status_code == 200
+
+
+def test_sse_frames_escape_what_clients_take_for_line_breaks():
+    from services.gateway.sse import frame
+
+    text = "a\u2028b\u2029c\x85d\nе\r\x1c"
+    data = frame({"choices": [{"text": text}]})
+    assert data.startswith(b"data: ") and data.endswith(b"\n\n")
+    line = data[len(b"data: "):-2].decode()
+    assert line.splitlines() == [line]  # one line for str.splitlines, httpx and the SSE spec alike
+    assert json.loads(line)["choices"][0]["text"] == text
+
+
+# (field, the largest / smallest accepted values, the nearest refused ones): the request schema and
+# SamplingParams draw the same lines (the gateway then narrows some to the served model and server)
+BOUNDS = [
+    ("temperature", [0, 0.01, 2], [-1e-9, 0.009, 2.0001, 1e-300]),
+    ("top_p", [1e-300, 1], [0, 1.0001]),
+    ("min_p", [0, 1], [-0.1, 1.1]),
+    ("presence_penalty", [-2, 2], [-2.01, 2.01, 1e308]),
+    ("frequency_penalty", [-2, 2], [-2.01, 2.01, -1e308]),
+    ("repetition_penalty", [0.01, 10], [0.0099, 10.01, 1e308, 1e-300]),
+    ("top_k", [-1, 0, 1, 2**31 - 1], [-2, 2**31, 10**20]),
+    ("logprobs", [0, 20], [-1, 21]),
+    ("max_tokens", [1, 2**31 - 1], [0, 2**31, 10**20]),
+    ("stop", [["s" * 256] * 16], [["s" * 257], ["s"] * 17, [""]]),
+    ("stop_token_ids", [[0] * 256], [[-1], [0] * 257]),
+]
+
+
+@pytest.mark.parametrize(("field", "accepted", "refused"), BOUNDS, ids=[b[0] for b in BOUNDS])
+def test_request_schema_and_sampling_params_agree_on_bounds(field, accepted, refused):
+    for value in accepted:
+        CompletionRequest.model_validate({"model": "m", "prompt": "x", field: value})
+        SamplingParams(**{field: value})
+    for value in refused:
+        with pytest.raises(ValueError):
+            CompletionRequest.model_validate({"model": "m", "prompt": "x", field: value})
+        with pytest.raises(ValueError):
+            SamplingParams(**{field: value})
+
+
+def test_seeds_are_json_integers_at_the_gateway_and_63_bit_in_sampling_params():
+    from services.gateway.schemas import MAX_JSON_SEED
+
+    assert MAX_JSON_SEED == 2**53 - 1
+    CompletionRequest.model_validate({"model": "m", "prompt": "x", "seed": MAX_JSON_SEED})
+    with pytest.raises(ValueError):
+        CompletionRequest.model_validate({"model": "m", "prompt": "x", "seed": MAX_JSON_SEED + 1})
+    SamplingParams(seed=2**63 - 1)
+    for seed in (-1, 2**63):
+        with pytest.raises(ValueError):
+            SamplingParams(seed=seed)

@@ -23,6 +23,7 @@ class PairChannel:
 
     def __init__(self, rank: int, boxes: dict) -> None:
         self.rank, self.world_size, self.device, self._boxes = rank, 2, torch.device("cpu"), boxes
+        self.broken: str | None = None
         self.messages_sent = 0
 
     def send(self, data: torch.Tensor, dst_rank: int) -> None:
@@ -30,7 +31,7 @@ class PairChannel:
         self._boxes[(self.rank, dst_rank)].put(data.clone())
         self.messages_sent += 1
 
-    def recv(self, buf: torch.Tensor, src_rank: int) -> None:
+    def recv(self, buf: torch.Tensor, src_rank: int, idle: bool = False) -> None:
         data = self._boxes[(src_rank, self.rank)].get(timeout=10)
         assert data.numel() == buf.numel(), f"message of {data.numel()} bytes into {buf.numel()}"
         buf.copy_(data)
@@ -137,3 +138,184 @@ def test_checksummed_transfers_are_gathered_and_verified(pair):
     assert pt.status == TransferStatus.DONE, pt.error
     assert ch.messages_sent == 2
     _assert_copied(src, dst, range(16), range(16))
+
+
+# -- orderings under faults: a channel that holds messages back, fails, or misdirects --------
+
+class GatedChannel(PairChannel):
+    """A PairChannel whose receiver stops before its ``n``-th receive until ``gate`` opens
+    (a write in flight, held there by the test)."""
+
+    def __init__(self, rank: int, boxes: dict, stop_at: int) -> None:
+        super().__init__(rank, boxes)
+        self.stop_at, self.recvs = stop_at, 0
+        self.gate, self.held = threading.Event(), threading.Event()
+
+    def recv(self, buf: torch.Tensor, src_rank: int, idle: bool = False) -> None:
+        self.recvs += 1
+        if self.recvs == self.stop_at:
+            self.held.set()
+            assert self.gate.wait(10)
+        super().recv(buf, src_rank, idle)
+
+
+def _endpoints(recv_channel, peers=(0,), send_rank=0, boxes=None):
+    src = PagedKVCache(LAYERS, 64, BLOCK, KVH, DIM, torch.float32, torch.device("cpu"))
+    dst = PagedKVCache(LAYERS, 64, BLOCK, KVH, DIM, torch.float32, torch.device("cpu"))
+    src.kv.normal_()
+    sender = KVSender(PairChannel(send_rank, boxes), src.gather, src.block_shape, src.dtype,
+                      lambda r: None, src.plane, src.plane_block_bytes)
+    receiver = KVReceiver(recv_channel, list(peers), dst.scatter, dst.block_shape, dst.dtype,
+                          dst.plane, dst.plane_block_bytes)
+    return src, dst, sender, receiver
+
+
+def test_abort_during_an_in_place_write_returns_after_it_and_late_groups_are_drained():
+    boxes = {(0, 1): queue.Queue(), (1, 0): queue.Queue()}
+    gated = GatedChannel(1, boxes, stop_at=3)  # header, first plane, then held mid-group
+    src, dst, sender, receiver = _endpoints(gated, boxes=boxes)
+    groups = [range(0, 2), range(2, 4)]
+    blocks = list(range(16))
+    receiver.expect("old", 0, blocks, groups)
+    sender.submit(SendJob("old", 1, blocks, groups[0], 0, False, dst_block_ids=blocks))
+    assert gated.held.wait(10)
+    aborted = threading.Event()
+    aborter = threading.Thread(target=lambda: (receiver.abort("old"), aborted.set()))
+    aborter.start()
+    aborter.join(0.3)
+    assert not aborted.is_set(), "abort returned while a write into the blocks was in flight"
+    gated.gate.set()
+    aborter.join(10)
+    assert aborted.is_set()
+    receiver.forget("old")
+    # the blocks now belong to another request, whose KV lands in them ...
+    new_src = list(range(32, 48))
+    pt = _transfer(sender, receiver, "new", new_src, blocks, groups)
+    assert pt.status == TransferStatus.DONE, pt.error
+    # ... and then the old transfer's late group arrives: drained, never written
+    sender.submit(SendJob("old", 1, blocks, groups[1], 1, True, dst_block_ids=blocks))
+    probe = _transfer(sender, receiver, "probe", list(range(16)), list(range(50, 58)) +
+                      list(range(20, 28)), groups)
+    assert probe.status == TransferStatus.DONE, probe.error
+    _assert_copied(src, dst, new_src, blocks)
+    sender.close()
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "gathered"])
+def test_groups_of_an_aborted_transfer_arriving_after_the_blocks_were_reused_are_dropped(
+        pair, in_place):
+    src, dst, sender, receiver, _, _ = pair
+    groups = [range(0, 1), range(1, 2), range(2, 3), range(3, 4)]
+    blocks = list(range(16))
+    receiver.expect("late", 0, blocks, groups)
+    sender.submit(SendJob("late", 1, list(range(40, 56)), groups[0], 0, False,
+                          dst_block_ids=blocks if in_place else ()))
+    receiver.abort("late")
+    receiver.forget("late")
+    reused = _transfer(sender, receiver, "reuse", list(range(16)), blocks, groups, in_place)
+    assert reused.status == TransferStatus.DONE, reused.error
+    for g in range(1, 4):  # the rest of the abandoned transfer, out of order and late
+        sender.submit(SendJob("late", 1, list(range(40, 56)), groups[g], g, g == 3,
+                              dst_block_ids=blocks if in_place else ()))
+    tail = _transfer(sender, receiver, "tail", list(range(20, 24)), list(range(60, 64)), groups,
+                     in_place)
+    assert tail.status == TransferStatus.DONE, tail.error
+    _assert_copied(src, dst, range(16), blocks)
+
+
+def test_a_group_from_the_wrong_rank_fails_its_transfer_and_both_streams_go_on():
+    boxes = {(0, 1): queue.Queue(), (2, 1): queue.Queue(), (1, 0): queue.Queue(),
+             (1, 2): queue.Queue()}
+    recv_ch = PairChannel(1, boxes)
+    src, dst, right, receiver = _endpoints(recv_ch, peers=(0, 2), send_rank=0, boxes=boxes)
+    wrong = KVSender(PairChannel(2, boxes), src.gather, src.block_shape, src.dtype,
+                     lambda r: None, src.plane, src.plane_block_bytes)
+    groups = [range(0, LAYERS)]
+    for sender, in_place in ((wrong, True), (wrong, False)):
+        tid = f"misdirected-{in_place}"
+        receiver.expect(tid, 0, list(range(16)), groups)  # expected from rank 0
+        sender.submit(SendJob(tid, 1, list(range(16)), groups[0], 0, True,
+                              dst_block_ids=list(range(16)) if in_place else ()))
+        pt = receiver.wait(tid, 10)
+        assert pt.status == TransferStatus.FAILED and "from rank 2" in pt.error
+        receiver.forget(tid)
+    assert not dst.kv.any(), "misdirected KV must not be written"
+    for sender, tid in ((right, "ok-0"), (wrong, "ok-2")):
+        receiver.expect(tid, sender.channel.rank, list(range(16, 32)), groups)
+        sender.submit(SendJob(tid, 1, list(range(16)), groups[0], 0, True))
+        assert receiver.wait(tid, 10).status == TransferStatus.DONE
+        receiver.forget(tid)
+    assert receiver.broken is None
+    right.close()
+    wrong.close()
+
+
+def test_a_payload_of_the_wrong_size_fails_its_transfer_without_misaligning_the_stream(pair):
+    src, dst, sender, receiver, _, _ = pair
+    groups = [range(0, LAYERS)]
+    receiver.expect("short", 0, list(range(16)), groups)
+    sender.submit(SendJob("short", 1, list(range(8)), groups[0], 0, True))  # 8 of 16 blocks
+    pt = receiver.wait("short", 10)
+    assert pt.status == TransferStatus.FAILED and "expected" in pt.error
+    receiver.forget("short")
+    ok = _transfer(sender, receiver, "after", list(range(16)), list(range(16, 32)), groups)
+    assert ok.status == TransferStatus.DONE, ok.error
+    assert receiver.broken is None
+
+
+def test_a_write_that_raises_fails_only_its_transfer(pair):
+    src, dst, sender, receiver, _, _ = pair
+    groups = [range(0, LAYERS)]
+    real, calls = receiver._scatter, []
+
+    def scatter(block_ids, layers, data):
+        calls.append(list(block_ids))
+        if len(calls) == 1:
+            raise RuntimeError("bad payload")
+        real(block_ids, layers, data)
+    receiver._scatter = scatter
+    pt = _transfer(sender, receiver, "boom", list(range(16)), list(range(16)), groups, False)
+    assert pt.status == TransferStatus.FAILED and "bad payload" in pt.error
+    ok = _transfer(sender, receiver, "fine", list(range(16)), list(range(16, 32)), groups, False)
+    assert ok.status == TransferStatus.DONE, ok.error
+
+
+class BrokenChannel(PairChannel):
+    def recv(self, buf: torch.Tensor, src_rank: int, idle: bool = False) -> None:
+        self.broken = "recv timed out"
+        raise RuntimeError("Application timeout caused pair closure")
+
+
+def test_a_failed_receive_breaks_the_receiver_fails_its_transfers_and_refuses_new_ones():
+    boxes = {(0, 1): queue.Queue(), (1, 0): queue.Queue()}
+    gated = GatedChannel(1, boxes, stop_at=1)
+    src, dst, sender, receiver = _endpoints(gated, boxes=boxes)
+    receiver.expect("inflight", 0, list(range(16)), [range(0, LAYERS)])
+    assert gated.held.wait(10)
+    gated.broken = "recv timed out"  # what a timed-out gloo recv leaves behind
+    boxes[(0, 1)].put(torch.zeros(3, dtype=torch.uint8))  # and a receive that fails
+    gated.gate.set()
+    pt = receiver.wait("inflight", 10)
+    assert pt.status == TransferStatus.FAILED and "rank 0 lost" in pt.error
+    assert receiver.broken is not None
+    with pytest.raises(ConnectionError):
+        receiver.expect("next", 0, list(range(16)), [range(0, LAYERS)])
+    sender.close()
+
+
+def test_the_watchdog_tears_down_a_call_past_its_deadline_and_spares_the_others():
+    from services.transfer.watchdog import Watchdog
+
+    released = threading.Event()
+    dog = Watchdog(lambda what: released.set())
+    with dog.guard("quick send", 30.0):
+        pass
+    with dog.guard("idle recv", None):
+        pass
+    assert dog.expired is None and not released.is_set()
+    with pytest.raises(TimeoutError):
+        with dog.guard("recv from rank 0", 0.05):
+            if released.wait(10):  # a blocking NCCL call, freed when the group is torn down
+                raise TimeoutError("communicator aborted")
+    assert dog.expired == "recv from rank 0"
+    dog.close()

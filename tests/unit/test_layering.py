@@ -8,10 +8,13 @@ from pathlib import Path
 
 SERVICES = Path(__file__).resolve().parents[2] / "services"
 
-LAYERS = {"common": 0, "protocol": 1, "text": 1, "engine": 2, "transfer": 3, "prefill": 4, "decode": 4,
+LAYERS = {"common": 0, "protocol": 1, "text": 1, "engine": 2, "transfer": 3, "worker": 4, "prefill": 4,
+          "decode": 4,
           "router": 5, "gateway": 6, "cluster": 7, "bench": 7}
 # bench drives clusters the way users do (start, stream, shut down): the one importer of cluster.
 ALLOWED_SAME_LAYER = {("cluster", "bench"), ("bench", "cluster")}
+# worker/ holds the base both worker actors build on (engine loop, threads, metrics, health).
+ALLOWED_SAME_LAYER |= {("prefill", "worker"), ("decode", "worker")}
 # Third-party imports a package may not make at all (besides what the layers forbid).
 FORBIDDEN = {"router": {"torch", "cupy"}, "gateway": {"torch", "cupy"},
              "common": {"torch", "ray", "fastapi", "pydantic", "cupy"},

@@ -133,3 +133,34 @@ def test_random_add_step_abort_never_leaks_or_deadlocks():
     assert len(finished) == added
     assert all(f.block_ids == [] for f in finished)
     assert s.kv.pool.num_free == 20
+
+
+def test_a_reservation_holds_blocks_unscheduled_until_its_kv_is_admitted():
+    s = _sched(num_blocks=8, block_size=4, role=EngineRole.DECODE)
+    seq = _seq(0, 10)
+    assert s.reserve(seq)
+    assert seq.status == SequenceStatus.RESERVED and len(seq.block_ids) == 3
+    assert s.get("r0") is seq and s.reserved == {"r0": seq}
+    assert not s.has_work and s.schedule().scheduled == []  # nothing to compute yet
+    with __import__("pytest").raises(ValueError, match="duplicate"):
+        s.reserve(_seq(0, 4))
+    admitted = s.admit_imported("r0")
+    seq.output_token_ids.append(7)  # token #1 from the prefill worker
+    assert admitted is seq and seq.status == SequenceStatus.RUNNING and seq.imported
+    assert s.reserved == {} and seq.num_uncomputed_tokens == 1
+    [item] = s.schedule().scheduled
+    assert item.seq is seq and item.num_new_tokens == 1
+
+
+def test_cancelling_or_finishing_a_reservation_frees_its_blocks_once():
+    s = _sched(num_blocks=8, block_size=4, role=EngineRole.DECODE)
+    a, b = _seq(0, 10), _seq(1, 10)
+    assert s.reserve(a) and s.reserve(b)
+    assert s.kv.pool.num_free == 2
+    assert not s.reserve(_seq(2, 10)) and s.kv.pool.num_free == 2  # refused: holds nothing
+    assert s.cancel_reservation("r0") and not s.cancel_reservation("r0")
+    s.finish(b, FinishReason.ABORT)
+    assert b.status == SequenceStatus.FINISHED and s.seqs == {} and s.reserved == {}
+    assert s.kv.pool.num_free == 8
+    with __import__("pytest").raises(KeyError):
+        s.admit_imported("r1")

@@ -14,9 +14,8 @@ def _decoding(s: Scheduler, seq_id: str, n_prompt: int) -> Sequence:
     """A running sequence with its prompt computed and one output token to decode."""
     seq = Sequence(seq_id, list(range(10, 10 + n_prompt)), SamplingParams(max_tokens=50),
                    output_token_ids=[1])
-    assert s.kv.reserve(seq, n_prompt)
-    seq.num_computed_tokens = n_prompt
-    s.add_running(seq)
+    assert s.reserve(seq)  # as an imported sequence: prompt KV in place, then admitted
+    s.admit_imported(seq_id)
     return seq
 
 

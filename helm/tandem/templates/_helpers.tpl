@@ -77,10 +77,92 @@ tandem/ray-node: "true"
 
 {{/* Name of the Secret holding the API key, or "" when the API is open. */}}
 {{- define "tandem.apiKeySecretName" -}}
-{{- if .Values.apiKey.existingSecret -}}
-{{- .Values.apiKey.existingSecret -}}
-{{- else if .Values.apiKey.value -}}
-{{- printf "%s-api-key" (include "tandem.fullname" .) -}}
+{{- if .Values.apiKey.enabled -}}
+{{- default (printf "%s-api-key" (include "tandem.fullname" .)) .Values.apiKey.existingSecret -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Name of the Secret holding the Ray auth token, or "" when Ray token authentication is off. */}}
+{{- define "tandem.rayAuthSecretName" -}}
+{{- if .Values.ray.auth.enabled -}}
+{{- default (printf "%s-ray-auth" (include "tandem.fullname" .)) .Values.ray.auth.existingSecret -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The chart-managed secret material, base64-encoded, as a dict (call with include and
+fromYaml): apiKey, salt (of the API key's pod checksum), rayToken. Generated once
+(randAlphaNum) and afterwards read back from the release's Secrets (lookup), so upgrades
+keep them. Computed once per render (kept in .Values._tandemSecrets): every template
+sees the same values, also on the first install.
+*/}}
+{{- define "tandem.secretData" -}}
+{{- if not (hasKey .Values "_tandemSecrets") -}}
+{{- $fullname := include "tandem.fullname" . -}}
+{{- $api := (lookup "v1" "Secret" .Release.Namespace (printf "%s-api-key" $fullname)).data | default dict -}}
+{{- $ray := (lookup "v1" "Secret" .Release.Namespace (printf "%s-ray-auth" $fullname)).data | default dict -}}
+{{- $out := dict -}}
+{{- if .Values.apiKey.value -}}
+{{- $_ := set $out "apiKey" (.Values.apiKey.value | b64enc) -}}
+{{- else -}}
+{{- $_ := set $out "apiKey" (get $api .Values.apiKey.secretKey | default (randAlphaNum 48 | b64enc)) -}}
+{{- end -}}
+{{- $_ := set $out "salt" (get $api "checksum-salt" | default (randAlphaNum 32 | b64enc)) -}}
+{{- $_ := set $out "rayToken" (get $ray .Values.ray.auth.secretKey | default (randAlphaNum 48 | b64enc)) -}}
+{{- $_ := set .Values "_tandemSecrets" $out -}}
+{{- end -}}
+{{- toYaml (get .Values "_tandemSecrets") -}}
+{{- end -}}
+
+{{/*
+Deliberate openings need security.allowInsecure; so do LoadBalancer/NodePort Services and
+Ingresses behind NetworkPolicies that do not say who may reach the API.
+*/}}
+{{- define "tandem.checkSecurity" -}}
+{{- $open := list -}}
+{{- if not .Values.networkPolicy.enabled }}{{ $open = append $open "networkPolicy.enabled=false" }}{{ end -}}
+{{- if not .Values.ray.auth.enabled }}{{ $open = append $open "ray.auth.enabled=false" }}{{ end -}}
+{{- if not .Values.apiKey.enabled }}{{ $open = append $open "apiKey.enabled=false" }}{{ end -}}
+{{- if and $open (not .Values.security.allowInsecure) -}}
+{{- fail (printf "%s opens the release to every pod of the Kubernetes cluster (Ray runs any code it is sent; the API serves anyone): set security.allowInsecure=true to render it anyway" (join ", " $open)) -}}
+{{- end -}}
+{{- $gw := .Values.gateway -}}
+{{- if and .Values.networkPolicy.enabled (not .Values.networkPolicy.apiFrom) (or $gw.ingress.enabled (ne $gw.service.type "ClusterIP")) -}}
+{{- fail "networkPolicy.apiFrom is empty, so only pods of the release namespace reach the API: with gateway.ingress.enabled or a LoadBalancer/NodePort Service, name who may reach it (the ingress controller's namespace, or an ipBlock)" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Where the gateway reads the API key (a Secret mounted as a file). */}}
+{{- define "tandem.apiKeyDir" -}}/var/run/secrets/tandem/api-key{{- end -}}
+{{- define "tandem.rayAuthDir" -}}/var/run/secrets/tandem/ray-auth{{- end -}}
+
+{{/* Ray token authentication: environment of every Ray process (the token is a file). */}}
+{{- define "tandem.rayAuthEnv" -}}
+{{- if .Values.ray.auth.enabled -}}
+- name: RAY_AUTH_MODE
+  value: token
+- name: RAY_AUTH_TOKEN_PATH
+  value: {{ include "tandem.rayAuthDir" . }}/token
+{{- end -}}
+{{- end -}}
+
+{{- define "tandem.rayAuthMounts" -}}
+{{- if .Values.ray.auth.enabled -}}
+- name: ray-auth
+  mountPath: {{ include "tandem.rayAuthDir" . }}
+  readOnly: true
+{{- end -}}
+{{- end -}}
+
+{{- define "tandem.rayAuthVolumes" -}}
+{{- if .Values.ray.auth.enabled -}}
+- name: ray-auth
+  secret:
+    secretName: {{ include "tandem.rayAuthSecretName" . }}
+    defaultMode: 0440
+    items:
+      - key: {{ .Values.ray.auth.secretKey }}
+        path: token
 {{- end -}}
 {{- end -}}
 
@@ -273,5 +355,20 @@ both pools): <group>.gpus / <group>.workersPerPod, equal for every pool in use.
 {{- get $seen "decode" -}}
 {{- else -}}
 0
+{{- end -}}
+{{- end -}}
+
+{{/* The head's readiness/liveness check: the dashboard's /api/gcs_healthz. */}}
+{{- define "tandem.headProbe" -}}
+{{- if .Values.ray.dashboard.exposeOnPodIP -}}
+httpGet:
+  path: /api/gcs_healthz
+  port: 8265
+{{- else -}}
+exec:
+  command:
+    - python
+    - -c
+    - import urllib.request; urllib.request.urlopen('http://127.0.0.1:8265/api/gcs_healthz', timeout=2)
 {{- end -}}
 {{- end -}}

@@ -1,0 +1,118 @@
+"""What prefill and decode workers share: a role engine on its own thread, metrics, probes.
+
+``EngineWorker`` owns the engine loop (and so the engine's thread), the
+worker's niceness, thread count and Prometheus registry, and the health the
+cluster acts on: ``load()["alive"]`` is false when the engine loop stopped or
+the worker's end of the transfer group is broken, so the cluster rebuilds the
+group or replaces the worker and ``/ready`` says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+from services.common.config import EngineConfig, EngineRole
+from services.common.metrics import worker_metrics
+from services.engine.engine import LLMEngine
+from services.engine.engine_loop import EngineLoop
+from services.protocol.messages import CompatibilityDescriptor
+from services.transfer.endpoint import compatibility
+
+T = TypeVar("T")
+COMMAND_TIMEOUT_S = 60.0  # the longest an engine command may wait for its turn
+
+
+class EngineWorker:
+    """Base of the worker actors: ``engine`` in ``role``, driven by ``loop``."""
+
+    def __init__(self, worker_id: str, config: EngineConfig, role: str,
+                 on_layer_done: Callable[[int, list], None] | None = None,
+                 niceness: int = 0,
+                 on_request_failed: Callable[[LLMEngine, str], object] | None = None) -> None:
+        self.worker_id, self.role = worker_id, role
+        if niceness:  # before the engine's threads start: Linux niceness is per thread, inherited
+            os.nice(niceness)
+        if config.num_threads is not None:  # Ray sets OMP_NUM_THREADS=1 in actors
+            os.environ["OMP_NUM_THREADS"] = str(config.num_threads)
+            torch.set_num_threads(config.num_threads)
+        cfg = dataclasses.replace(config, scheduler=dataclasses.replace(
+            config.scheduler, role=EngineRole(role)))
+        self.metrics, self._registry = worker_metrics(role, worker_id)
+        self.engine = LLMEngine(cfg, metrics=self.metrics)
+        self.loop = EngineLoop(self.engine, on_layer_done=on_layer_done,
+                               on_request_failed=on_request_failed)
+        self.transfer_failures = 0
+        self._generation, self._identity = 0, None  # of the gateway that owns this worker
+
+    def ready(self) -> str:
+        return self.worker_id
+
+    # -- ownership by a gateway (detached workers re-attached after a restart) ------
+    def owner_generation(self) -> int:
+        return self._generation
+
+    def claim(self, generation: int, identity: str) -> str:
+        """A gateway takes this worker over: ``"claimed"``; ``"stale"`` when a gateway
+        of a later generation holds it; ``"mismatch"`` when built from another config."""
+        if generation <= self._generation:
+            return "stale"
+        if self._identity is not None and identity != self._identity:
+            return "mismatch"
+        self._generation, self._identity = generation, identity
+        return "claimed"
+
+    async def abort_all(self) -> int:
+        """Abort every request (those of a gateway that is gone); returns how many."""
+        rids = list(self.loop.snapshot.get("request_ids", ()))
+        for rid in rids:
+            await self.abort(rid)
+        return len(rids)
+
+    async def abort(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    def pid(self) -> int:
+        """The worker's process id (operators and fault tests send it signals)."""
+        return os.getpid()
+
+    def compatibility(self) -> CompatibilityDescriptor:
+        return compatibility(self.engine)
+
+    def transfer_broken(self) -> str | None:
+        """Why this worker's end of the transfer group is unusable (None: fine or none)."""
+        return None
+
+    def load(self) -> dict:
+        """The engine loop's last published snapshot plus health (never touches the
+        scheduler from this thread)."""
+        broken = self.transfer_broken()
+        return {**self.loop.snapshot, "worker_id": self.worker_id, "role": self.role,
+                "alive": self.loop.alive and broken is None,
+                "engine_alive": self.loop.alive, "transfer_broken": broken}
+
+    async def metrics_families(self) -> list:
+        """This worker's Prometheus metric families (merged into the gateway's /metrics);
+        the gauges are read on the engine thread."""
+        await asyncio.wait_for(asyncio.wrap_future(
+            self.loop.submit(lambda e: e.update_gauges())), COMMAND_TIMEOUT_S)
+        return list(self._registry.collect())
+
+    async def _run(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread; bounded by ``COMMAND_TIMEOUT_S``
+        (commands run between steps, so only a wedged engine makes this expire)."""
+        return await asyncio.wait_for(asyncio.wrap_future(self.loop.submit(fn)),
+                                      COMMAND_TIMEOUT_S)
+
+    def stats(self) -> dict:
+        return {**self.load(), "transfer_failures": self.transfer_failures,
+                "failed_steps": self.loop.failed_steps,
+                "num_preemptions": self.engine.scheduler.num_preemptions, **self.counters()}
+
+    def counters(self) -> dict:
+        return {}

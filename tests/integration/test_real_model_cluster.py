@@ -1,0 +1,53 @@
+"""The real default model through the cluster in every mode, via the openai SDK: greedy
+chat completions token-identical to transformers loading the same GGUF (fp32)."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.config import CacheConfig, ClusterConfig, ClusterMode, EngineConfig
+from tests.real_model import EOS, MAX_NEW, QUESTIONS, messages
+
+pytestmark = pytest.mark.real_model
+
+
+@pytest.fixture(scope="module", params=list(ClusterMode))
+def served(request, ray_session, real_model_dir, real_model_reference):
+    from services.cluster.backend import ClusterBackend
+    from services.cluster.cluster import Cluster
+    from services.engine.model.config import ModelConfig
+    from services.gateway.app import create_app
+    from services.gateway.server import ServerThread
+    from services.text.tokenizer import Tokenizer
+
+    mode = request.param
+    engine = EngineConfig(model=str(real_model_dir), dtype="float32", cache=CacheConfig(num_blocks=128))
+    # conditional: a threshold between the prompts' lengths, so both paths are taken
+    lengths = sorted(len(p) for p in real_model_reference["prompts"])
+    assert lengths[0] < lengths[-1]
+    config = ClusterConfig(mode=mode, engine=engine, prefill_workers=0 if mode is ClusterMode.COLOCATED else 1,
+                           local_prefill_threshold=lengths[len(lengths) // 2])
+    cluster = Cluster(config).start()
+    mc = ModelConfig.from_dir(real_model_dir)
+    app = create_app(ClusterBackend(cluster, "smollm2", mc.max_position_embeddings, mc.vocab_size),
+                     Tokenizer.from_dir(real_model_dir), request_timeout_s=300)
+    try:
+        with ServerThread(app) as server:
+            yield server
+    finally:
+        cluster.shutdown()
+
+
+def test_greedy_chat_through_the_cluster_matches_transformers(served, real_model_reference):
+    import openai
+
+    client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused")
+    for question, prompt, expected in zip(QUESTIONS, real_model_reference["prompts"],
+                                          real_model_reference["outputs"]):
+        reply = client.chat.completions.create(
+            model="smollm2", messages=messages(question), max_tokens=MAX_NEW, temperature=0)
+        assert reply.usage.prompt_tokens == len(prompt)
+        text = real_model_reference["tokenizer"].decode(expected, skip_special_tokens=True)
+        assert reply.choices[0].message.content == text, question
+        assert reply.usage.completion_tokens == len(expected), question
+        assert reply.choices[0].finish_reason == ("stop" if expected[-1] == EOS else "length")
