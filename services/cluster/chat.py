@@ -99,12 +99,14 @@ class LocalChat:
 
     def stream(self, messages: list[dict[str, str]]) -> Iterator[str]:
         from services.common.sampling_params import SamplingParams
+        from services.text.output_processor import OutputProcessor
 
         engine = self.llm.engine
         ids = self.llm.tokenizer.encode_chat(messages, add_generation_prompt=True)
         params = SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature)
         engine.validate(ids, params)
         rid = f"chat-{next(self._ids)}"
+        proc = OutputProcessor(self.llm.tokenizer, params)
         engine.add_request(rid, ids, params)
         done = False
         try:
@@ -112,8 +114,9 @@ class LocalChat:
                 for out in engine.step():
                     if out.request_id != rid:
                         continue
-                    if out.new_text:
-                        yield out.new_text
+                    delta = proc.process(out.new_token_ids, out.finish_reason if out.finished else None)
+                    if delta.text:
+                        yield delta.text
                     done = out.finished
         finally:
             if not done:

@@ -159,7 +159,8 @@ def test_a_local_run_listens_on_loopback_only(serve, tmp_path):
 
     assert httpx.get(url + "/v1/models", timeout=30).status_code == 401
     client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)
-    out = client.completions.create(model="tandem-small", prompt="Hello", max_tokens=4, temperature=0)
+    model = client.models.list().data[0].id
+    out = client.completions.create(model=model, prompt="Hello", max_tokens=4, temperature=0)
     assert out.usage.completion_tokens >= 1
     log = served.log.read_text()
     assert KEY not in log and "WARNING" not in log
