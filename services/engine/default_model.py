@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from services.common.cache_dir import cache_dir
+from services.common.cache_dir import cache_dir, publishing
 
 if TYPE_CHECKING:
     import torch
@@ -283,9 +280,7 @@ def write_model(preset: str, out_dir: str | Path, seed: int = 0) -> Path:
     out = Path(out_dir)
     if (out / "config.json").is_file():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with publishing(out, "written model") as tmp:
         tok = build_tokenizer()
         config, generation, tok_config = _configs(p, tok)
         _dump(tmp / "config.json", config)
@@ -293,16 +288,6 @@ def write_model(preset: str, out_dir: str | Path, seed: int = 0) -> Path:
         _dump(tmp / "tokenizer_config.json", tok_config)
         (tmp / "tokenizer.json").write_text(tok.to_str(pretty=True) + "\n", encoding="utf-8")
         save_file(make_weights(p, seed), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        for f in tmp.iterdir():  # mkdtemp and safetensors create private files; the cache may be shared
-            f.chmod(0o644)
-        tmp.chmod(0o755)
-        try:
-            os.replace(tmp, out)
-        except OSError as e:
-            if not (out / "config.json").is_file():  # not a lost race: a real failure
-                raise OSError(f"cannot move the written model into {out}: {e}") from e
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

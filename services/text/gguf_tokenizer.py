@@ -15,11 +15,12 @@ vocabularies raise a clear ``ValueError``.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from functools import lru_cache
 from typing import Any
 
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+
+from services.text.tokenizer import byte_to_unicode
 
 # llama.cpp's token types (llama_token_type / gguf.TokenType).
 _CONTROL = 3
@@ -48,20 +49,6 @@ _PRE_TOKENIZERS: dict[str, tuple[str, bool]] = {
 }
 
 
-@lru_cache(maxsize=1)
-def _byte_to_unicode() -> dict[int, str]:
-    """GPT-2's byte-level alphabet: byte -> printable unicode char."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
-
-
 def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     if pre not in _PRE_TOKENIZERS:
         raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre); "
@@ -79,8 +66,8 @@ def _byte_level(meta: Mapping[str, Any], tokens: list[str], types: list[int]) ->
     merges: list[str] = list(meta.get("tokenizer.ggml.merges") or [])
     if not merges:
         raise ValueError("the GGUF file has no tokenizer.ggml.merges for its byte-level vocabulary")
-    alphabet = set(_byte_to_unicode().values())
-    spelling = _byte_to_unicode()
+    alphabet = set(byte_to_unicode().values())
+    spelling = byte_to_unicode()
     vocab: dict[str, int] = {}
     for i, tok in enumerate(tokens):  # a few files store added tokens as raw text: respell them
         key = tok if set(tok) <= alphabet or types[i] in (_CONTROL, _USER_DEFINED) \

@@ -28,8 +28,8 @@ _ADDED_FLAGS = {"single_word": False, "lstrip": False, "rstrip": False, "normali
 
 
 @lru_cache(maxsize=1)
-def _unicode_to_byte() -> dict[str, int]:
-    """GPT-2's byte-level table, inverted: printable unicode char -> byte."""
+def byte_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: byte -> printable unicode char."""
     bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs = bs[:]
     n = 0
@@ -38,7 +38,13 @@ def _unicode_to_byte() -> dict[str, int]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+@lru_cache(maxsize=1)
+def _unicode_to_byte() -> dict[str, int]:
+    """GPT-2's byte-level table, inverted: printable unicode char -> byte."""
+    return {c: b for b, c in byte_to_unicode().items()}
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

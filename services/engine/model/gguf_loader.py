@@ -15,16 +15,13 @@ each head interleaved for its RoPE kernel; they are un-permuted here, as ``gguf`
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from services.common.cache_dir import cache_dir
+from services.common.cache_dir import cache_dir, publishing
 from services.text.gguf_tokenizer import eos_token_ids_from_gguf, tokenizer_from_gguf
 
 FORMAT_VERSION = "v1"  # bump when the converted folder's contents change on purpose
@@ -218,24 +215,12 @@ def convert(gguf_path: str | Path, out_dir: str | Path) -> Path:
     config["tie_word_embeddings"] = "lm_head.weight" not in weights
     config["attention_bias"] = any(n.endswith("o_proj.bias") for n in weights)
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config[k] is not None}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with publishing(out, "converted model") as tmp:
         for name, obj in (("config.json", config), ("generation_config.json", generation),
                           ("tokenizer_config.json", tok_config)):
             (tmp / name).write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
         tok.save(str(tmp / "tokenizer.json"))
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": src.name})
-        for f in tmp.iterdir():  # the cache may be shared between users
-            f.chmod(0o644)
-        tmp.chmod(0o755)
-        try:
-            os.replace(tmp, out)
-        except OSError as e:
-            if not (out / "config.json").is_file():  # not a lost race: a real failure
-                raise OSError(f"cannot move the converted model into {out}: {e}") from e
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
