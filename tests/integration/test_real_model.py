@@ -59,3 +59,15 @@ def test_greedy_chat_matches_transformers_chunked(real_model_dir, reference):
                   enable_prefix_caching=False)
     outs = chunked.generate(reference["prompts"], GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == reference["outputs"]
+
+
+def test_speculation_keeps_the_real_model_greedy_output(real_model_dir, reference):
+    """Prompt-lookup speculation on the real checkpoint: the same tokens as transformers,
+    with a repetitive prompt where drafts are accepted as well as the chat questions."""
+    spec = LLM(str(real_model_dir), dtype="float32", speculative="ngram", num_speculative_tokens=4)
+    outs = spec.generate(reference["prompts"], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == reference["outputs"]
+    text = "Repeat exactly: the quick brown fox jumps over the lazy dog. " * 3
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    plain = LLM(str(real_model_dir), dtype="float32").generate([text], params)[0].outputs[0]
+    assert spec.generate([text], params)[0].outputs[0].token_ids == plain.token_ids

@@ -120,3 +120,30 @@ def test_draft_model_in_the_decode_pool(ray_session, checkpoint):
         assert accepted["decode"] == proposed["decode"] > 0
     finally:
         cluster.shutdown()
+
+
+@pytest.mark.parametrize("mode", [
+    dict(mode="colocated", prefill_workers=0, decode_workers=1),
+    # the 30-token prompt prefills on the decode worker, the longer ones remotely
+    dict(mode="conditional", prefill_workers=1, decode_workers=1, local_prefill_threshold=35),
+], ids=["colocated", "conditional"])
+def test_the_other_modes_match_the_offline_engine(ray_session, checkpoint, mode):
+    from services.cluster.cluster import Cluster
+
+    prompts = _prompts()
+    llm = LLM(checkpoint)
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, ngram_min=1,
+                             adaptive=False, max_batch_size=64)
+    engine = EngineConfig(model=checkpoint, cache=CacheConfig(num_blocks=128), speculative=spec)
+    cluster = Cluster(ClusterConfig(engine=engine, **mode)).start()
+    try:
+        for params in PARAMS:
+            reference = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+            assert run_all(cluster, prompts, params) == reference
+        for s in wait_all_free(cluster):
+            assert s["free_blocks"] == s["total_blocks"], f"{s['worker_id']} leaked blocks"
+        proposed = _spec_samples(asyncio.run(cluster.worker_metric_families()),
+                                 "tandem_spec_proposed_tokens_total")
+        assert sum(proposed.values()) > 0
+    finally:
+        cluster.shutdown()
