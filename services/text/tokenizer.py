@@ -10,17 +10,14 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Mapping
-from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
 import tokenizers
 import tokenizers.decoders
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from services.text.chat_template import mask_pattern, mentions_pattern, render_template
 
 # Named special tokens HF passes to chat templates (its SPECIAL_TOKENS_ATTRIBUTES).
 _NAMED_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -102,46 +99,6 @@ def _add_config_tokens(tok: tokenizers.Tokenizer, cfg: Mapping[str, Any]) -> dic
     if new:
         tok.add_tokens(new)
     return named
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """``{% generation %}...{% endgeneration %}`` (HF's assistant-mask tag), rendered as its body."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: Any) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-    def _render(self, caller: Any) -> str:
-        return caller()
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(
-    x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
-) -> str:
-    # HF's override: no HTML escaping, exposes json.dumps options
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-@lru_cache(maxsize=16)
-def _compile_template(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env.from_string(source)
 
 
 class Tokenizer:
@@ -308,11 +265,8 @@ class Tokenizer:
                 raise ValueError(f"chat messages must be dicts, got {type(m).__name__}")
             chat.append({k: v for k, v in m.items() if v is not None})  # HF drops None values
         params: dict[str, Any] = {"tools": None, "documents": None, **self._special_tokens, **kwargs}
-        try:
-            template = _compile_template(self.chat_template)
-            return template.render(messages=chat, add_generation_prompt=add_generation_prompt, **params)
-        except jinja2.exceptions.TemplateError as e:
-            raise ValueError(f"chat template failed: {e}") from e
+        return render_template(self.chat_template, messages=chat,
+                               add_generation_prompt=add_generation_prompt, **params)
 
     def encode_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
@@ -326,11 +280,11 @@ class Tokenizer:
         hides where it went.
         """
         text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
-        if self._special_re is None or not _mentions(messages, self._special_re):
+        if self._special_re is None or not mentions_pattern(messages, self._special_re):
             return self.encode(text, add_special_tokens=False)
         # Render again with every special-token string in the messages masked by a same-length
         # run of U+FFFC: what is still special there is the template's own.
-        masked = self.apply_chat_template(_mask(messages, self._special_re), add_generation_prompt, **kwargs)
+        masked = self.apply_chat_template(mask_pattern(messages, self._special_re), add_generation_prompt, **kwargs)
         if len(masked) != len(text):
             raise ValueError("a message contains special-token text that this chat template "
                              "transforms; remove it from the message")
@@ -355,25 +309,3 @@ class Tokenizer:
             plain.encode_special_tokens = True
             self._plain = plain
         return self._plain.encode(text, add_special_tokens=False).ids
-
-
-def _mentions(value: Any, pattern: re.Pattern[str]) -> bool:
-    """Whether any string inside ``value`` (dicts, lists) contains a match of ``pattern``."""
-    if isinstance(value, str):
-        return pattern.search(value) is not None
-    if isinstance(value, Mapping):
-        return any(_mentions(v, pattern) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_mentions(v, pattern) for v in value)
-    return False
-
-
-def _mask(value: Any, pattern: re.Pattern[str]) -> Any:
-    """``value`` with each match of ``pattern`` in its strings replaced by as many U+FFFC."""
-    if isinstance(value, str):
-        return pattern.sub(lambda m: "\ufffc" * len(m.group()), value)
-    if isinstance(value, Mapping):
-        return {k: _mask(v, pattern) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_mask(v, pattern) for v in value]
-    return value
