@@ -355,7 +355,7 @@ def test_dashboards_are_generated():
 
 @pytest.mark.parametrize("name", EXPECTED_DASHBOARDS)
 def test_dashboard_validates_against_schema(name):
-    assert SCHEMA_PATH.exists(), f"{SCHEMA_PATH} missing (../shared from the project root)"
+    assert SCHEMA_PATH.exists(), f"{SCHEMA_PATH} missing (tests/schemas)"
     schema = json.loads(SCHEMA_PATH.read_text())
     definitions = schema["definitions"]
 
