@@ -129,7 +129,7 @@ class PrefillWorker(EngineWorker):
             request_id=rid, first_token_id=out.new_token_ids[0],
             num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
             first_logprob=TokenLogprob.of(lp) if lp is not None else None,
-            kv_bytes=self._kv_bytes(req))
+            kv_bytes=self._kv_bytes(req), finish_reason=out.finish_reason)
 
     async def abort(self, request_id: str) -> None:
         """Stop a prefill; KV already queued for sending is freed once the sends end."""

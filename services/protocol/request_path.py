@@ -120,10 +120,15 @@ class PrefillResult:
     first_logprob: TokenLogprob | None = None
     num_cached_tokens: int = 0  # prompt tokens served from P's prefix cache
     kv_bytes: int = 0  # KV bytes pushed to D (0 when kept local)
+    # set when token #1 already ends the request (EOS, a stop token id, max_tokens 1, the
+    # context): the caller finishes it here, no decode step follows
+    finish_reason: FinishReason | None = None
 
     def __post_init__(self) -> None:
         _check_request_id(self.request_id)
         _check_int("first_token_id", self.first_token_id)
+        if self.finish_reason is not None:
+            object.__setattr__(self, "finish_reason", FinishReason(self.finish_reason))
         _check_int("num_prompt_tokens", self.num_prompt_tokens, 1)
         _check_int("num_cached_tokens", self.num_cached_tokens)
         if self.num_cached_tokens > self.num_prompt_tokens:

@@ -135,6 +135,9 @@ class RequestDriver:
                     raise
                 self.router.prefill_done(rid)
                 lp = (result.first_logprob,) if result.first_logprob is not None else None
+                if result.finish_reason is not None:  # token #1 ends it: D's reservation is freed below
+                    yield TokenDelta(rid, (result.first_token_id,), 0, True, result.finish_reason, lp)
+                    return
                 yield TokenDelta(rid, (result.first_token_id,), 0, logprobs=lp)
                 req = DecodeRequest(rid, prompt, params,
                                     output_token_ids=(result.first_token_id,), descriptor=desc)

@@ -31,7 +31,7 @@ MODES = {
 }
 # vLLM's extra sampling fields travel in extra_body; OpenAI's are keyword arguments.
 EXTRAS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
-          "include_stop_str_in_output")
+          "include_stop_str_in_output", "stop_token_ids")
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,8 @@ def offline(checkpoint) -> LLM:
 def cases(offline) -> list[Case]:
     """Cases whose stop strings are cut from the model's own greedy text (so they hit)."""
     base = "The quick brown fox"
-    text = offline.generate([base], _greedy(24))[0].outputs[0].text
+    greedy = offline.generate([base], _greedy(24))[0].outputs[0]
+    text = greedy.text
     across = text[3:9]  # six characters: spans token boundaries
     rng = random.Random(5)
     out = [
@@ -67,6 +68,10 @@ def cases(offline) -> list[Case]:
         Case("stop-included", base, _greedy(24, stop=["never-there", across],
                                             include_stop_str_in_output=True)),
         Case("min-tokens-delays-stop", base, _greedy(24, stop=[text[:2]], min_tokens=6)),
+        # the very first token is a stop token: the prefill worker's token ends the request
+        Case("stop-token-first", base, _greedy(24, stop_token_ids=[greedy.token_ids[0]])),
+        Case("stop-token-third", base, _greedy(24, stop_token_ids=[greedy.token_ids[2]])),
+        Case("one-token", base, _greedy(1)),
         Case("seed", "Once upon a time", SamplingParams(temperature=1.0, seed=123, max_tokens=20)),
         Case("seed-masks", "Once upon a time",
              SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.05, seed=7, max_tokens=20)),
@@ -108,6 +113,7 @@ def request_kwargs(case: Case) -> dict:
     if p.logprobs is not None:
         kw.update(logprobs=True, top_logprobs=p.logprobs) if case.chat else kw.update(logprobs=p.logprobs)
     extra = {k: getattr(p, k) for k in EXTRAS if getattr(p, k) != getattr(SamplingParams(), k)}
+    extra = {k: list(v) if isinstance(v, tuple) else v for k, v in extra.items()}
     kw["extra_body"] = extra
     kw["messages" if case.chat else "prompt"] = case.prompt
     return {k: v for k, v in kw.items() if v is not None}
