@@ -1,8 +1,8 @@
 """What ``/ready`` and ``/metrics`` read: a snapshot of the workers the cluster refreshes itself.
 
 A probe or a scrape never asks the workers anything: one background task per event loop
-refreshes every worker's load (readiness) and metric families every ``interval_s`` and
-keeps the last snapshot. Any number of probes and scrapes cost nothing beyond reading
+fetches every worker's metric families every ``interval_s``, reads readiness from the
+loads the cluster's own refresher keeps current, and keeps the last snapshot. Any number of probes and scrapes cost nothing beyond reading
 it, so a scrape storm cannot turn into Ray calls per worker per scrape.
 
 A snapshot older than ``max_age_s`` (the refresher is stuck) reads as not ready.
@@ -73,8 +73,7 @@ class ClusterTelemetry:
             await asyncio.sleep(self.interval_s)
 
     async def _take(self) -> Snapshot:
-        c = self.cluster
-        await c.refresh_loads()
+        c = self.cluster  # its refresher keeps every worker's load() current
         pools = [c.decode] + ([c.prefill] if c.prefill else [])
         ready = bool(c.decode) and all(any(w.load().alive for w in pool) for pool in pools)
         families = await c.worker_metric_families()

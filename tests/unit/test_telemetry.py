@@ -29,10 +29,9 @@ def tok(tiny_model_dir) -> Tokenizer:
 class FakeWorker:
     def __init__(self, worker_id: str, role: str) -> None:
         self.worker_id, self.role, self.alive = worker_id, role, True
-        self._load = WorkerLoad(worker_id, role)
 
-    def load(self) -> WorkerLoad:
-        return self._load
+    def load(self) -> WorkerLoad:  # what the cluster's refresher keeps current
+        return WorkerLoad(self.worker_id, self.role, alive=self.alive)
 
 
 class FakeCluster:
@@ -46,11 +45,6 @@ class FakeCluster:
         self.replacements = 0
         self.serving = True
         self.worker_calls = 0
-
-    async def refresh_loads(self) -> None:
-        for w in self.prefill + self.decode:
-            self.worker_calls += 1
-            w._load = WorkerLoad(w.worker_id, w.role, alive=w.alive)
 
     async def worker_metric_families(self) -> list:
         fams = []
@@ -76,7 +70,7 @@ def test_probes_and_scrapes_never_call_the_workers(tok):
             r = c.get("/metrics")
             assert r.status_code == 200 and 'tandem_fake_worker_up{worker="d1"} 1.0' in r.text
     assert backend.telemetry.refreshes == 1
-    assert cluster.worker_calls == 2 * 3  # one load and one metrics call per worker, once
+    assert cluster.worker_calls == 3  # one metrics call per worker, once
 
 
 def test_readiness_follows_the_refreshed_snapshot(tok):
