@@ -140,8 +140,12 @@ class SamplingParams:
                 or self.repetition_penalty != 1.0)
 
     def for_choice(self, index: int) -> SamplingParams:
-        """The params of choice ``index`` of ``n``: one output each, choice i seeded seed + i."""
+        """The params of choice ``index`` of ``n``: one output each, seeded by :func:`choice_seed`."""
         if self.n == 1:
             return self
-        seed = None if self.seed is None else (self.seed + index) % 2**63
-        return dataclasses.replace(self, n=1, seed=seed)
+        return dataclasses.replace(self, n=1, seed=choice_seed(self.seed, index))
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice ``index`` of a request seeded with ``seed``: seed + index."""
+    return None if seed is None else (seed + index) % 2**63

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.common.sampling_params import SamplingParams
+from services.common.sampling_params import SamplingParams, choice_seed
 from services.gateway.errors import bad_request
 from services.gateway.schemas import SamplingFields
 
@@ -55,10 +55,9 @@ def max_tokens_for(requested: int | None, prompt_len: int, max_model_len: int, *
 
 def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | None,
                     choice: int) -> SamplingParams:
-    """The params of one backend request (choice ``choice`` of ``n``: seed + choice)."""
-    seed = None if req.seed is None else (req.seed + choice) % 2**63
+    """The params of one backend request (choice ``choice`` of ``n``)."""
     kwargs = {
-        "n": 1, "max_tokens": max_tokens, "seed": seed, "logprobs": logprobs,
+        "n": 1, "max_tokens": max_tokens, "seed": choice_seed(req.seed, choice), "logprobs": logprobs,
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "top_p": 1.0 if req.top_p is None else req.top_p,
         "top_k": req.top_k,
