@@ -4,6 +4,11 @@ It reserves a prompt's blocks before the prefill starts, receives the KV into
 them, joins the request to its continuous batch once the transfer is done and
 token #1 is known, and streams the following tokens. It can also prefill
 locally (conditional disaggregation, re-drive after a failure).
+
+On CUDA the transfer is DONE once its writes completed on the device, and the
+request joins the batch only after the compute stream waited (device-side) for
+the transfer's last write event: the first step that reads the blocks comes
+after the bytes, with no host sync on the compute thread.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 
 from services.common.config import EngineConfig
 from services.common.sampling_params import SamplingParams
@@ -50,8 +55,8 @@ class DecodeWorker(EngineWorker):
     """
 
     def __init__(self, worker_id: str, config: EngineConfig, transfer_timeout_s: float = 30.0,
-                 role: str = "decode") -> None:
-        super().__init__(worker_id, config, role)
+                 role: str = "decode", sync=None) -> None:
+        super().__init__(worker_id, config, role, sync=sync)
         self.receiver: KVReceiver | None = None
         self.rank: int | None = None
         self.transfer_timeout_s = transfer_timeout_s
@@ -60,10 +65,14 @@ class DecodeWorker(EngineWorker):
         self._ending: dict[str, asyncio.Task] = {}  # request -> its release in progress
         self.kv_bytes_received = 0
 
-    def join_transfer_group(self, backend: str, world_size: int, rank: int, group_name: str,
-                            prefill_ranks: Sequence[int], timeout_ms: int = 30_000,
-                            op_timeout_s: float = 30.0) -> int:
-        channel = open_channel(backend, world_size, rank, group_name, timeout_ms, op_timeout_s)
+    def join_transfer_group(self, transports: Mapping[int, str], world_size: int, rank: int,
+                            group_name: str, prefill_ranks: Sequence[int],
+                            timeout_ms: int = 30_000, op_timeout_s: float = 30.0) -> int:
+        """Become ``rank`` of the transfer group, receiving from ``prefill_ranks`` over the
+        transports named in ``transports``; returns once every pair is connected."""
+        channel = open_channel(transports, world_size, rank, group_name, self.sync,
+                               senders=prefill_ranks, timeout_ms=timeout_ms,
+                               op_timeout_s=op_timeout_s)
         self.receiver = make_receiver(channel, self.engine, prefill_ranks)
         self.rank = rank
         return rank
@@ -150,8 +159,9 @@ class DecodeWorker(EngineWorker):
                               lambda exc: aio.call_soon_threadsafe(queue.put_nowait, exc))
         try:
             if req.descriptor is not None:
-                await self._await_transfer(req)
-                first = await self._run(lambda e: e.commit_imported(rid, req.output_token_ids[0]))
+                ready = await self._await_transfer(req)
+                first = await self._run(lambda e: self._commit(e, rid, req.output_token_ids[0],
+                                                               ready))
                 start = 1
                 if first.finished:
                     done = True
@@ -186,8 +196,16 @@ class DecodeWorker(EngineWorker):
             if not done:
                 await asyncio.shield(self._end(rid))
 
-    async def _await_transfer(self, req: DecodeRequest) -> None:
-        """Wait (bounded) for the reserved request's KV; on failure release it and raise."""
+    def _commit(self, engine, request_id: str, first_token: int, ready) -> EngineOutput:
+        """On the engine thread: the compute stream waits for the KV's last write (device-side),
+        then the request joins the batch."""
+        if ready is not None:
+            self.sync.wait_event(self.sync.current_stream(), ready)
+        return engine.commit_imported(request_id, first_token)
+
+    async def _await_transfer(self, req: DecodeRequest):
+        """Wait (bounded) for the reserved request's KV; on failure release it and raise.
+        Returns the event after the KV's last write."""
         rid = req.request_id
         entry = self._transfers.get(rid)
         if entry is None:
@@ -207,6 +225,7 @@ class DecodeWorker(EngineWorker):
         self.kv_bytes_received += pt.num_bytes
         self.metrics.kv_transfer_bytes.inc(pt.num_bytes)
         self.metrics.kv_transfer_time.observe(pt.seconds)
+        return pt.ready
 
     # -- one release path ---------------------------------------------------------
     def _end(self, request_id: str) -> asyncio.Task:

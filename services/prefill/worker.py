@@ -4,13 +4,18 @@ It computes a prompt's KV, samples token #1 from its own logits and returns it
 at once (TTFT does not wait for the transfer); meanwhile each layer group's
 KV, complete as soon as that group's forward finishes, is pushed to the
 blocks the decode worker reserved. The request's blocks are freed when the
-last group has been sent or the send failed.
+last group's send completed on the device or the send failed.
+
+On CUDA each group's send waits (device-side) for an event recorded on the
+compute stream right after the group's last layer was queued, so the engine
+never stalls for a send and a send never reads KV still being written.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 
 from services.common.config import EngineConfig
 from services.engine.engine import EngineOutput, LLMEngine
@@ -42,9 +47,10 @@ class PrefillFailedError(RuntimeError):
 class PrefillWorker(EngineWorker):
     """Wrap with ``ray.remote`` (async actor); one engine, one sender."""
 
-    def __init__(self, worker_id: str, config: EngineConfig, niceness: int = 0) -> None:
+    def __init__(self, worker_id: str, config: EngineConfig, niceness: int = 0,
+                 sync=None) -> None:
         super().__init__(worker_id, config, "prefill", on_layer_done=self._on_layer_done,
-                         niceness=niceness, on_request_failed=self._end_on_engine)
+                         niceness=niceness, on_request_failed=self._end_on_engine, sync=sync)
         self.sender = None
         self._joined = False  # joined a transfer group once: without one now, it is broken
         self._descriptors: dict[str, KVTransferDescriptor] = {}
@@ -52,12 +58,15 @@ class PrefillWorker(EngineWorker):
         self._sending: set[str] = set()  # requests whose final step ran: sends queued
         self.kv_bytes_sent = 0
 
-    def join_transfer_group(self, backend: str, world_size: int, rank: int, group_name: str,
-                            timeout_ms: int = 30_000,
+    def join_transfer_group(self, transports: Mapping[int, str], world_size: int, rank: int,
+                            group_name: str, timeout_ms: int = 30_000,
                             in_place_min_bytes: int | None = MIN_RUN_PLANE_BYTES,
                             op_timeout_s: float = 30.0) -> int:
-        """Become ``rank`` of the transfer group (all workers call this together)."""
-        channel = open_channel(backend, world_size, rank, group_name, timeout_ms, op_timeout_s)
+        """Become ``rank`` of the transfer group (all workers call this together), reaching
+        each decode rank of ``transports`` over the transport named there; returns once
+        every pair is connected."""
+        channel = open_channel(transports, world_size, rank, group_name, self.sync,
+                               timeout_ms=timeout_ms, op_timeout_s=op_timeout_s)
         self.sender = make_sender(channel, self.engine, self._on_sent, in_place_min_bytes)
         self._joined = True
         return rank
@@ -165,7 +174,9 @@ class PrefillWorker(EngineWorker):
 
     # -- transfer (engine loop thread / sender thread) ----------------------------
     def _on_layer_done(self, layer: int, completing: list[Sequence]) -> None:
+        """On the engine thread, right after layer ``layer``'s kernels were queued."""
         sender = self.sender
+        ready = None  # one event per layer, recorded only when a group ends here
         for seq in completing:
             d = self._descriptors.get(seq.seq_id)
             if d is None:
@@ -180,6 +191,8 @@ class PrefillWorker(EngineWorker):
                                    f"decode reserved {n_blocks}")
             for g, group in enumerate(d.layer_groups):
                 if group.stop == layer + 1:
+                    if ready is None:
+                        ready = self.sync.record_event(self.sync.current_stream())
                     final = g == len(d.layer_groups) - 1
                     if final:
                         self._sending.add(seq.seq_id)
@@ -187,7 +200,7 @@ class PrefillWorker(EngineWorker):
                         transfer_id=d.transfer_id, dst_rank=d.dst_rank,
                         src_block_ids=seq.block_ids[:n_blocks], layers=group.layers,
                         layer_group=g, final=final, with_checksum=d.checksum,
-                        dst_block_ids=d.block_ids))
+                        dst_block_ids=d.block_ids, ready=ready))
 
     def _on_sent(self, report: SendReport) -> None:
         rid = self._by_transfer.get(report.transfer_id)

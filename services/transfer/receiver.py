@@ -7,6 +7,16 @@ staging and dropped, so the stream stays aligned. A zero-copy payload
 (``layout.py``) is received straight into the reserved blocks, run by run. A
 transfer's blocks are written only under its lock, so ``abort`` returning
 means no write is in flight and the blocks can be freed.
+
+Device order (``streams.py``): a peer's receives and scatters are queued on the
+channel's stream for that peer (non-blocking: a header receive posted for an
+idle peer holds up nothing else). The header is copied to pinned host memory on
+that stream and waited for by event, never by a sync another peer's work could
+sit behind. Each layer group's writes are waited for (event, bounded) before
+the lock is released and the group counted, so DONE and ``abort`` mean the
+bytes are in place on the device; ``PendingTransfer.ready`` (the event after
+the last write) is what the decode step waits for, device-side, before it reads
+the blocks; ``seconds`` is measured between events.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -25,7 +36,8 @@ from services.protocol.messages import TransferStatus
 from services.protocol.payload import HEADER_BYTES, decode_header
 from services.transfer.channel import KVChannel
 from services.transfer.layout import messages, runs_fit
-from services.transfer.staging import StagingBuffer, checksum
+from services.transfer.sender import HEARTBEAT_ID
+from services.transfer.staging import StagingBuffer, checksum, to_device
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +53,9 @@ class PendingTransfer:
     received: set[int] = field(default_factory=set)
     num_bytes: int = 0
     started: float = field(default_factory=time.perf_counter)
-    seconds: float = 0.0
+    seconds: float = 0.0  # first byte to last, on the device (events) once DONE
+    first: Any = None  # timing event before the first group's payload
+    ready: Any = None  # event after the last write: the decode step waits for it
     lock: threading.Lock = field(default_factory=threading.Lock)
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -55,6 +69,7 @@ class KVReceiver:
                  plane: Callable[[int, int, int, int], torch.Tensor] | None = None,
                  plane_block_bytes: int = 0) -> None:
         self.channel, self._scatter, self._block_shape, self.dtype = channel, scatter, block_shape, dtype
+        self.sync = channel.sync
         self._plane, self._plane_block_bytes = plane, plane_block_bytes
         self._pending: dict[str, PendingTransfer] = {}
         self._lock = threading.Lock()
@@ -68,6 +83,8 @@ class KVReceiver:
     def expect(self, transfer_id: str, src_rank: int, block_ids: Sequence[int],
                layer_groups: Sequence[range]) -> PendingTransfer:
         """Register a transfer before its prefill starts (blocks already reserved)."""
+        if transfer_id == HEARTBEAT_ID:
+            raise ValueError(f"{HEARTBEAT_ID!r} is reserved for heartbeats")
         pt = PendingTransfer(transfer_id, src_rank, list(block_ids), list(layer_groups))
         with self._lock:
             if src_rank in self.dead_peers:
@@ -120,20 +137,33 @@ class KVReceiver:
         return None
 
     def _run(self, peer: int) -> None:
-        header_buf = torch.zeros(HEADER_BYTES, dtype=torch.uint8, device=self.channel.device)
-        staging = StagingBuffer(self.channel.device)
+        stream = self.channel.stream(peer)
+        with self.sync.use(stream):  # buffers allocated here are reused in this stream's order
+            self._serve(peer, stream)
+
+    def _serve(self, peer: int, stream: Any) -> None:
+        device, sync = self.channel.device, self.sync
+        header_buf = torch.zeros(HEADER_BYTES, dtype=torch.uint8, device=device)
+        header_host = torch.empty(HEADER_BYTES, dtype=torch.uint8,
+                                  pin_memory=device.type == "cuda")
+        staging = StagingBuffer(device)
         while True:
             try:
                 self.channel.recv(header_buf, peer, idle=True)
-                header = decode_header(header_buf.cpu().numpy().tobytes())
+                header_host.copy_(header_buf, non_blocking=True)
+                self.channel.wait(sync.record_event(stream), f"header from rank {peer}", idle=True)
+                header = decode_header(header_host.numpy().tobytes())
+                if header.transfer_id == HEARTBEAT_ID:
+                    continue
                 if header.segments:
-                    self._receive_in_place(header, peer, staging)
+                    self._receive_in_place(header, peer, staging, stream)
                     self.bytes_received += header.num_bytes
                     continue
                 payload = staging.view(header.num_bytes)
+                first = sync.record_event(stream, timing=True)
                 self.channel.recv(payload, peer)
                 self.bytes_received += header.num_bytes
-                self._deliver(header, payload, peer)
+                self._deliver(header, payload, peer, stream, first)
             except Exception as e:  # the peer died, the group broke, the stream is out of step
                 log.warning("KV receive from rank %d stopped: %s", peer, e)
                 with self._lock:
@@ -144,7 +174,14 @@ class KVReceiver:
                         self._finish(pt, TransferStatus.FAILED, f"prefill rank {peer} lost: {e}")
                 return
 
-    def _deliver(self, header, payload: torch.Tensor, peer: int) -> None:
+    def _written(self, pt: PendingTransfer, stream: Any, first: Any, what: str) -> None:
+        """Wait (bounded; under ``pt.lock``) until the writes queued so far are on the device."""
+        done = self.sync.record_event(stream, timing=True)
+        self.channel.wait(done, what)
+        pt.first = pt.first if pt.first is not None else first
+        pt.ready = done
+
+    def _deliver(self, header, payload: torch.Tensor, peer: int, stream: Any, first: Any) -> None:
         """Write a received gathered payload into its transfer's blocks, or drop it.
 
         The payload has been read off the channel in full, so whatever is wrong
@@ -168,17 +205,19 @@ class KVReceiver:
                 error = f"checksum mismatch in group {g}"
             if error is None:
                 try:
-                    self._scatter(pt.block_ids, pt.layer_groups[g],
-                                  payload.view(self.dtype).view(shape))
+                    self._scatter(to_device(pt.block_ids, self.channel.device),
+                                  pt.layer_groups[g], payload.view(self.dtype).view(shape))
                 except Exception as e:  # noqa: BLE001 - fails this transfer only
                     error = f"layer group {g} could not be written: {type(e).__name__}: {e}"
+            if error is None:
+                self._written(pt, stream, first, f"layer group {g} of {pt.transfer_id}")
             if error is not None:
                 log.warning("KV transfer %s failed: %s", pt.transfer_id, error)
                 self._fail_locked(pt, error)
                 return
             self._group_received(pt, g, header.num_bytes)
 
-    def _receive_in_place(self, header, peer: int, staging: StagingBuffer) -> None:
+    def _receive_in_place(self, header, peer: int, staging: StagingBuffer, stream: Any) -> None:
         """Receive a zero-copy payload into the reserved blocks, or drain it to staging."""
         plan = messages(header.num_bytes, header.segments, self._plane_block_bytes)  # may raise
         pt = self._pending.get(header.transfer_id)
@@ -186,6 +225,7 @@ class KVReceiver:
             live = pt is not None and not pt.done.is_set()
             error = self._in_place_error(pt, header, len(plan), peer) if live else None
             first_layer = pt.layer_groups[header.layer_group].start if live and not error else 0
+            first = self.sync.record_event(stream, timing=True)
             for layer, kv, start, n in plan:
                 if live and not error:
                     buf = self._plane(first_layer + layer, kv, pt.block_ids[start], n)
@@ -197,6 +237,7 @@ class KVReceiver:
             if error:
                 self._fail_locked(pt, error)
                 return
+            self._written(pt, stream, first, f"layer group {header.layer_group} of {pt.transfer_id}")
             self._group_received(pt, header.layer_group, header.num_bytes)
 
     @staticmethod
@@ -228,13 +269,12 @@ class KVReceiver:
         pt.seconds = time.perf_counter() - pt.started
         pt.done.set()
 
-    @staticmethod
-    def _group_received(pt: PendingTransfer, group: int, num_bytes: int) -> None:
-        """Record a written layer group (under ``pt.lock``); DONE after the last."""
+    def _group_received(self, pt: PendingTransfer, group: int, num_bytes: int) -> None:
+        """Record a layer group written on the device (under ``pt.lock``); DONE after the last."""
         pt.status = TransferStatus.TRANSFERRING
         pt.received.add(group)
         pt.num_bytes += num_bytes
         if len(pt.received) == len(pt.layer_groups):
             pt.status = TransferStatus.DONE
-            pt.seconds = time.perf_counter() - pt.started
+            pt.seconds = self.sync.elapsed(pt.first, pt.ready)
             pt.done.set()

@@ -5,6 +5,15 @@ computes the next layers. Each payload is preceded by a fixed-size header
 naming its transfer id and layer group. Where the blocks form a few long runs
 on both sides (``layout.py``), the payload goes out of the cache in place, one
 message per (layer, K|V, run); otherwise it is gathered into one message.
+
+Device order (``streams.py``): a job's work is queued on the channel's stream
+for its decode rank after that stream waited for the job's ``ready`` event
+(recorded on the compute stream when the group's last layer was queued). A
+transfer is reported (and its blocks freed) only once an event recorded after
+its last send has completed, observed on a completion thread of its own; its
+time is measured between events. When idle, the sender sends each peer a
+heartbeat header every ``heartbeat_s``, so an idle pair stays warm and a dead
+receiver shows within one interval.
 """
 
 from __future__ import annotations
@@ -12,16 +21,19 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from services.protocol.payload import HEADER_BYTES, LayerGroupHeader, encode_header
+from services.protocol.payload import LayerGroupHeader, encode_header
 from services.transfer.channel import KVChannel
 from services.transfer.layout import MIN_RUN_PLANE_BYTES, messages, zero_copy_segments
-from services.transfer.staging import StagingBuffer, checksum
+from services.transfer.staging import StagingBuffer, checksum, to_device
+
+HEARTBEAT_ID = "tandem-heartbeat"  # the transfer id of heartbeat headers (never a transfer's)
+HEARTBEAT_S = 30.0
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +48,7 @@ class SendJob:
     final: bool  # the request's last group: its blocks may be released after it
     with_checksum: bool = False
     dst_block_ids: Sequence[int] = ()  # the decode side's blocks; () = always gather
+    ready: Any = None  # event after which the group's KV is complete (None: it is)
 
 
 @dataclass
@@ -49,31 +62,39 @@ class SendReport:
 
 class KVSender:
     """Sends jobs FIFO; ``on_done(report)`` fires once per transfer, after its final group
-    or its first failure (later groups of a failed transfer are skipped)."""
+    completed on the device or its first failure (later groups of a failed transfer are
+    skipped)."""
 
     def __init__(self, channel: KVChannel,
-                 gather: Callable[[Sequence[int], range, torch.Tensor], torch.Tensor],
+                 gather: Callable[[Sequence[int] | torch.Tensor, range, torch.Tensor], torch.Tensor],
                  block_shape: Callable[[int, range], tuple[int, ...]], dtype: torch.dtype,
                  on_done: Callable[[SendReport], None],
                  plane: Callable[[int, int, int, int], torch.Tensor] | None = None,
                  plane_block_bytes: int = 0,
-                 min_run_plane_bytes: int | None = MIN_RUN_PLANE_BYTES) -> None:
+                 min_run_plane_bytes: int | None = MIN_RUN_PLANE_BYTES,
+                 heartbeat_s: float | None = HEARTBEAT_S) -> None:
         """``plane`` (the cache's zero-copy view) enables in-place sends of runs whose
         mean plane reaches ``min_run_plane_bytes``; None turns them off."""
         self.channel, self._gather, self._block_shape, self.dtype = channel, gather, block_shape, dtype
+        self.sync = channel.sync
         self._plane, self._plane_block_bytes = plane, plane_block_bytes
         self._min_run = min_run_plane_bytes
-        self.groups_in_place = self.groups_gathered = 0
+        self._heartbeat_s = heartbeat_s
+        self.groups_in_place = self.groups_gathered = self.heartbeats = 0
         self._on_done = on_done
         self._jobs: queue.SimpleQueue[SendJob | None] = queue.SimpleQueue()
-        self._staging = StagingBuffer(channel.device)
-        self._header = torch.zeros(HEADER_BYTES, dtype=torch.uint8, device=channel.device)
-        self._progress: dict[str, tuple[float, int]] = {}  # transfer id -> (start, bytes)
+        self._completions: queue.SimpleQueue[tuple[SendReport, Any, Any] | None] = \
+            queue.SimpleQueue()
+        self._staging: dict[int, StagingBuffer] = {}  # per decode rank: one stream each
+        self._progress: dict[str, tuple[Any, int]] = {}  # transfer id -> (start event, bytes)
         self._failed: set[str] = set()
         self.bytes_sent = 0
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
+        self._completer = threading.Thread(target=self._complete, name="kv-send-done",
+                                           daemon=True)
         self._thread.start()
+        self._completer.start()
 
     def submit(self, job: SendJob) -> None:
         if self._closed:  # the group is gone: the transfer fails at once
@@ -87,16 +108,31 @@ class KVSender:
         self._closed = True
         self._jobs.put(None)
         self._thread.join(timeout=10)
+        self._completions.put(None)
+        self._completer.join(timeout=10)
 
     def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            tid = job.transfer_id
-            start, sent = self._progress.setdefault(tid, (time.perf_counter(), 0))
-            if tid in self._failed:  # reported already; skip the rest of its groups
-                if job.final:
-                    self._failed.discard(tid)
-                    self._progress.pop(tid, None)
+        while True:
+            try:
+                job = self._jobs.get(timeout=self._heartbeat_s)
+            except queue.Empty:
+                self._heartbeat()
                 continue
+            if job is None:
+                return
+            self._run_job(job)
+
+    def _run_job(self, job: SendJob) -> None:
+        tid, sync = job.transfer_id, self.sync
+        stream = self.channel.stream(job.dst_rank)
+        if tid in self._failed:  # reported already; skip the rest of its groups
+            if job.final:
+                self._failed.discard(tid)
+            return
+        with sync.use(stream):
+            if job.ready is not None:
+                sync.wait_event(stream, job.ready)  # device-side: after the layer's compute
+            start, sent = self._progress.get(tid) or (sync.record_event(stream, timing=True), 0)
             try:
                 sent += self._send(job)
             except Exception as e:  # dead peer, broken group, timeout
@@ -104,20 +140,58 @@ class KVSender:
                 if not job.final:
                     self._failed.add(tid)
                 self._progress.pop(tid, None)
-                self._on_done(SendReport(tid, False, f"{type(e).__name__}: {e}", sent,
-                                         time.perf_counter() - start))
-                continue
+                # freed once the sends already queued for it are off the device
+                self._completions.put((SendReport(tid, False, f"{type(e).__name__}: {e}", sent,
+                                                  0.0), None, sync.record_event(stream)))
+                return
             self._progress[tid] = (start, sent)
             if job.final:
                 self._progress.pop(tid, None)
-                self._on_done(SendReport(tid, True, None, sent, time.perf_counter() - start))
+                end = sync.record_event(stream, timing=True)
+                self._completions.put((SendReport(tid, True, None, sent, 0.0), start, end))
+
+    def _complete(self) -> None:
+        """Report each transfer once its sends completed on the device (FIFO: the events
+        of one stream complete in order; a wait is bounded by the channel's deadline)."""
+        while (item := self._completions.get()) is not None:
+            report, start, end = item
+            try:
+                self.channel.wait(end, f"KV send of {report.transfer_id}")
+                if start is not None:
+                    report.seconds = self.sync.elapsed(start, end)
+            except Exception as e:  # the channel broke: its communicators are gone
+                if report.ok:
+                    report.ok, report.error = False, f"{type(e).__name__}: {e}"
+            self._on_done(report)
+
+    def _heartbeat(self) -> None:
+        """An empty header to every peer; a failure breaks the channel (the receiver is gone)."""
+        header = encode_header(LayerGroupHeader(transfer_id=HEARTBEAT_ID, layer_group=0,
+                                                num_bytes=0))
+        for peer in self.channel.peers:
+            if self.channel.broken is not None:
+                return
+            try:
+                with self.sync.use(self.channel.stream(peer)):
+                    self.channel.send(to_device(header, self.channel.device), peer)
+                self.heartbeats += 1
+            except Exception as e:  # noqa: BLE001 - the channel is broken now; health says so
+                log.warning("KV heartbeat to rank %d failed: %s", peer, e)
+
+    def _staging_for(self, peer: int) -> StagingBuffer:
+        staging = self._staging.get(peer)
+        if staging is None:  # allocated on the peer's stream: reuse is ordered on it
+            staging = self._staging[peer] = StagingBuffer(self.channel.device)
+        return staging
 
     def _send(self, job: SendJob) -> int:
         sent = self._send_in_place(job)
         if sent is not None:
             return sent
         shape = self._block_shape(len(job.src_block_ids), job.layers)
-        data = self._gather(job.src_block_ids, job.layers, self._staging.typed(shape, self.dtype))
+        src = to_device(job.src_block_ids, self.channel.device)  # no pageable copy, no sync
+        data = self._gather(src, job.layers,
+                            self._staging_for(job.dst_rank).typed(shape, self.dtype))
         payload = data.view(-1).view(torch.uint8)
         header = LayerGroupHeader(
             transfer_id=job.transfer_id, layer_group=job.layer_group,
@@ -155,5 +229,4 @@ class KVSender:
         return num_bytes
 
     def _send_header(self, encoded: bytes, dst_rank: int) -> None:
-        self._header.copy_(torch.frombuffer(bytearray(encoded), dtype=torch.uint8))
-        self.channel.send(self._header, dst_rank)
+        self.channel.send(to_device(encoded, self.channel.device), dst_rank)

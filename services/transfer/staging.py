@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import zlib
+from collections.abc import Sequence
 
 import torch
 
@@ -33,3 +34,16 @@ class StagingBuffer:
 def checksum(data: torch.Tensor) -> int:
     """CRC32 of a tensor's bytes (tests and the optional integrity check)."""
     return zlib.crc32(data.contiguous().view(torch.uint8).cpu().numpy().tobytes())
+
+
+def to_device(values: bytes | Sequence[int], device: torch.device) -> torch.Tensor:
+    """Host bytes (as uint8) or ints (as int64) on ``device``, without a host sync: on CUDA
+    the copy goes from pinned memory, queued on the current stream (torch's pinned-memory
+    cache keeps the host block until the copy ran)."""
+    if isinstance(values, (bytes, bytearray)):
+        host = torch.frombuffer(bytearray(values), dtype=torch.uint8)
+    else:
+        host = torch.as_tensor(list(values), dtype=torch.long)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)

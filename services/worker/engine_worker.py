@@ -5,6 +5,11 @@ worker's niceness, thread count and Prometheus registry, and the health the
 cluster acts on: ``load()["alive"]`` is false when the engine loop stopped or
 the worker's end of the transfer group is broken, so the cluster rebuilds the
 group or replaces the worker and ``/ready`` says so.
+
+On CUDA the worker runs on the GPU Ray assigned it (``device.py``) and the engine
+thread computes on a non-blocking stream of the worker's (``compute_stream``),
+never on the legacy default stream; KV transfer work is ordered against it by
+events (``services.transfer.streams``).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from services.engine.engine import LLMEngine
 from services.engine.engine_loop import EngineLoop
 from services.protocol.messages import CompatibilityDescriptor
 from services.transfer.endpoint import compatibility
+from services.transfer.streams import DeviceSync, make_sync
+from services.worker.device import actor_device, device_uuid
 
 T = TypeVar("T")
 COMMAND_TIMEOUT_S = 60.0  # the longest an engine command may wait for its turn
@@ -34,19 +41,29 @@ class EngineWorker:
     def __init__(self, worker_id: str, config: EngineConfig, role: str,
                  on_layer_done: Callable[[int, list], None] | None = None,
                  niceness: int = 0,
-                 on_request_failed: Callable[[LLMEngine, str], object] | None = None) -> None:
+                 on_request_failed: Callable[[LLMEngine, str], object] | None = None,
+                 sync: DeviceSync | None = None) -> None:
+        """``sync``: the device's streams and events (default: this device's own)."""
         self.worker_id, self.role = worker_id, role
         if niceness:  # before the engine's threads start: Linux niceness is per thread, inherited
             os.nice(niceness)
         if config.num_threads is not None:  # Ray sets OMP_NUM_THREADS=1 in actors
             os.environ["OMP_NUM_THREADS"] = str(config.num_threads)
             torch.set_num_threads(config.num_threads)
-        cfg = dataclasses.replace(config, scheduler=dataclasses.replace(
+        device = actor_device(config.device)
+        if device != "cpu":
+            torch.cuda.set_device(torch.device(device))
+        cfg = dataclasses.replace(config, device=device, scheduler=dataclasses.replace(
             config.scheduler, role=EngineRole(role)))
         self.metrics, self._registry = worker_metrics(role, worker_id)
         self.engine = LLMEngine(cfg, metrics=self.metrics)
+        self.sync = sync or make_sync(self.engine.device)
+        self.compute_stream = self.sync.new_stream("compute")
+        if self.engine.device.type == "cuda":  # weights and cache were written on the default stream
+            torch.cuda.synchronize(self.engine.device)
         self.loop = EngineLoop(self.engine, on_layer_done=on_layer_done,
                                on_request_failed=on_request_failed)
+        self.loop.call(lambda e: self.sync.bind(self.compute_stream))  # before any request
         self.transfer_failures = 0
         self._generation, self._identity = 0, None  # of the gateway that owns this worker
 
@@ -83,6 +100,10 @@ class EngineWorker:
 
     def compatibility(self) -> CompatibilityDescriptor:
         return compatibility(self.engine)
+
+    def device_uuid(self) -> str | None:
+        """The UUID of this worker's GPU (None on CPU): pairs on one GPU use CUDA IPC."""
+        return device_uuid(self.engine.device)
 
     def transfer_broken(self) -> str | None:
         """Why this worker's end of the transfer group is unusable (None: fine or none)."""

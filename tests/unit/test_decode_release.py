@@ -18,19 +18,21 @@ from services.common.config import CacheConfig, EngineConfig
 from services.common.sampling_params import SamplingParams
 from services.engine.kv_cache.paged_cache import PagedKVCache
 from services.protocol.request_path import DecodeRequest
+from services.transfer.channel import ChannelBase
 from services.transfer.endpoint import make_receiver
 from services.transfer.sender import KVSender, SendJob
+from services.transfer.streams import CpuSync
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 PROMPT = list(range(3, 40))
 
 
-class Channel:
+class Channel(ChannelBase):
     """Rank-to-rank byte queues; the receiver can be held before its ``stop_at``-th receive."""
 
     def __init__(self, rank: int, boxes: dict, stop_at: int = 0) -> None:
-        self.rank, self.world_size, self.device, self._boxes = rank, 2, torch.device("cpu"), boxes
-        self.broken = None
+        super().__init__(rank, 2, [1 - rank], CpuSync(), 30.0)
+        self._boxes = boxes
         self.stop_at, self.recvs = stop_at, 0
         self.gate, self.held = threading.Event(), threading.Event()
 

@@ -11,19 +11,21 @@ import torch
 
 from services.engine.kv_cache.paged_cache import PagedKVCache
 from services.protocol.messages import TransferStatus
+from services.transfer.channel import ChannelBase
 from services.transfer.layout import MIN_RUN_PLANE_BYTES
 from services.transfer.receiver import KVReceiver
 from services.transfer.sender import KVSender, SendJob
+from services.transfer.streams import CpuSync
 
 LAYERS, BLOCK, KVH, DIM = 4, 16, 8, 64  # one block plane = 32 KiB
 
 
-class PairChannel:
+class PairChannel(ChannelBase):
     """Rank-to-rank byte queues with the KVChannel contract (exact-size receives)."""
 
     def __init__(self, rank: int, boxes: dict) -> None:
-        self.rank, self.world_size, self.device, self._boxes = rank, 2, torch.device("cpu"), boxes
-        self.broken: str | None = None
+        super().__init__(rank, 4, [p for p in range(4) if p != rank], CpuSync(), 30.0)
+        self._boxes = boxes
         self.messages_sent = 0
 
     def send(self, data: torch.Tensor, dst_rank: int) -> None:
