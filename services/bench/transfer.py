@@ -52,11 +52,26 @@ class _Peer:
                                   torch.float32, dev)
         self.cache.kv.normal_()
         self.rank, self.group, self.backend = rank, group, backend
-        self.channel = CollectiveChannel(backend, 2, rank, group)
+        peer = 1 - rank
+        if backend == "nccl":
+            from services.transfer.endpoint import open_channel
+            from services.transfer.streams import make_sync
+
+            self.channel = open_channel({peer: "nccl"}, 2, rank, group, make_sync(dev),
+                                        senders=[0] if rank == 1 else [])
+        else:
+            self.channel = CollectiveChannel(2, rank, group, [peer])
         self.torch = torch
         self.reports = []
         self.sender = self.receiver = None  # one each for the actor's life: a receiver's
         # thread blocks in recv, so a second one on the same peer would steal its messages
+
+    def _done(self, op: str, tensor, peer: int) -> None:
+        """A send or receive, returned once it completed on the device (NCCL queues them)."""
+        ch = self.channel
+        with ch.sync.use(ch.stream(peer)):
+            getattr(ch, op)(tensor, peer)
+            ch.wait(ch.sync.record_event(ch.stream(peer)), f"{op} with rank {peer}")
 
     def raw(self, num_bytes: int, repeats: int) -> list[float]:
         buf = self.torch.ones(num_bytes, dtype=self.torch.uint8, device=self.channel.device)
@@ -64,11 +79,11 @@ class _Peer:
         for _ in range(repeats):
             t0 = time.perf_counter()
             if self.rank == 0:
-                self.channel.send(buf, 1)
-                self.channel.recv(buf[:1], 1)  # ack: the receiver has it all
+                self._done("send", buf, 1)
+                self._done("recv", buf[:1], 1)  # ack: the receiver has it all
             else:
-                self.channel.recv(buf, 0)
-                self.channel.send(buf[:1], 0)
+                self._done("recv", buf, 0)
+                self._done("send", buf[:1], 0)
             times.append(time.perf_counter() - t0)
         return times
 
@@ -89,7 +104,7 @@ class _Peer:
                                        self.cache.dtype, self.reports.append, self.cache.plane,
                                        self.cache.plane_block_bytes)
             self.reports.clear()
-            self.channel.recv(ack, 1)  # the receiver expects the first transfer
+            self._done("recv", ack, 1)  # the receiver expects the first transfer
             for r in range(repeats):
                 t0 = time.perf_counter()
                 for g, layers in enumerate(layer_ranges):
@@ -99,7 +114,7 @@ class _Peer:
                                                dst_block_ids=blocks if in_place else ()))
                 while len(self.reports) <= r:
                     time.sleep(0.0005)
-                self.channel.recv(ack, 1)
+                self._done("recv", ack, 1)
                 times.append(time.perf_counter() - t0)
         else:
             if self.receiver is None:
@@ -108,14 +123,14 @@ class _Peer:
                                            self.cache.plane, self.cache.plane_block_bytes)
             tag = f"t{groups}{'p' if in_place else 'g'}"
             self.receiver.expect(f"{tag}-0", 0, blocks, layer_ranges)
-            self.channel.send(ack, 0)
+            self._done("send", ack, 0)
             for r in range(repeats):
                 pt = self.receiver.wait(f"{tag}-{r}", 60.0)
                 assert pt.status.name == "DONE", pt.error
                 self.receiver.forget(f"{tag}-{r}")
                 if r + 1 < repeats:  # expected before the ack lets the sender go on
                     self.receiver.expect(f"{tag}-{r + 1}", 0, blocks, layer_ranges)
-                self.channel.send(ack, 0)
+                self._done("send", ack, 0)
         return times
 
 

@@ -24,6 +24,7 @@ from services.prefill.worker import PrefillWorker
 from services.protocol.request_path import TokenDelta
 from services.router import Router, RouterConfig
 from services.router.driver import RequestDriver
+from services.transfer.placement import pair_transports
 
 log = logging.getLogger(__name__)
 LOAD_REFRESH_S = 0.05
@@ -141,20 +142,23 @@ class Cluster:
         for p, pc in zip(pre, p_compat):
             for d, dc in zip(dec, d_compat):
                 dc.check(pc, ours=d.worker_id, theirs=p.worker_id)
-        backend = self.config.transfer_backend
-        if backend == "auto":
-            backend = "nccl" if self.config.engine.device.startswith("cuda") else "gloo"
-        world, group = len(pre) + len(dec), f"tandem-kv-{uuid.uuid4().hex[:8]}"
         ranks = [w.rank for w in pre]
+        cuda = self.config.engine.device.startswith("cuda")
+        uuids = ray.get([w.actor.device_uuid.remote() for w in pre + dec], timeout=timeout_s)
+        transports = pair_transports(
+            str(self.config.transfer_backend), cuda, {w.rank: u for w, u in zip(pre + dec, uuids)},
+            ranks, [w.rank for w in dec], {w.rank: w.worker_id for w in pre + dec})
+        world, group = len(pre) + len(dec), f"tandem-kv-{uuid.uuid4().hex[:8]}"
         in_place = self.config.kv_in_place_min_bytes
         op_timeout = self.config.transfer_timeout_s  # every send/recv of the group is bounded
-        calls = [w.actor.join_transfer_group.remote(backend, world, w.rank, group,
+        calls = [w.actor.join_transfer_group.remote(transports[w.rank], world, w.rank, group,
                                                     in_place_min_bytes=in_place,
                                                     op_timeout_s=op_timeout) for w in pre]
-        calls += [w.actor.join_transfer_group.remote(backend, world, w.rank, group, ranks,
-                                                     op_timeout_s=op_timeout) for w in dec]
+        calls += [w.actor.join_transfer_group.remote(transports[w.rank], world, w.rank, group,
+                                                     ranks, op_timeout_s=op_timeout) for w in dec]
         ray.get(calls, timeout=timeout_s)
-        self._progress(f"transfer group {group} ({backend}, {world} ranks) connected")
+        kinds = sorted({k for peers in transports.values() for k in peers.values()})
+        self._progress(f"transfer group {group} ({'+'.join(kinds)}, {world} ranks) connected")
 
     def replace_dead(self, timeout_s: float = 300.0) -> list[str]:
         """Heal the pools: start a new actor for every dead worker, and rebuild the

@@ -230,7 +230,10 @@ class ClusterConfig:
     engine: EngineConfig = EngineConfig()
     threads_per_worker: int = field(default=1, metadata={"help": "torch threads per worker"})
     cpus_per_worker: float = field(default=0.0, metadata={"help": "Ray CPUs each worker asks for"})
-    gpus_per_worker: float = field(default=0.0, metadata={"help": "Ray GPUs each worker asks for"})
+    # None: 1 on CUDA (one GPU per worker: NCCL ranks never share one), 0 on CPU.
+    gpus_per_worker: float | None = field(default=None, metadata={
+        "help": "Ray GPUs each worker asks for (default: 1 with --device cuda, 0 on CPU); "
+                "under 1, workers share GPUs and pairs on one GPU use CUDA IPC"})
     prefill_accelerator_type: str | None = field(default=None, metadata={
         "help": "Ray accelerator type the prefill workers ask for"})
     decode_accelerator_type: str | None = field(default=None, metadata={
@@ -279,3 +282,31 @@ class ClusterConfig:
             raise ValueError(f"prefill_workers must be >= 1 in {self.mode} mode")
         if self.threads_per_worker < 1:
             raise ValueError(f"threads_per_worker must be >= 1, got {self.threads_per_worker}")
+        self._check_placement()
+
+    def _check_placement(self) -> None:
+        """One GPU per NCCL rank; transports that fit the device."""
+        cuda = self.engine.device.startswith("cuda")
+        if self.gpus_per_worker is None:
+            object.__setattr__(self, "gpus_per_worker", 1.0 if cuda else 0.0)
+        gpus = self.gpus_per_worker
+        if gpus < 0:
+            raise ValueError(f"gpus_per_worker must be >= 0, got {gpus}")
+        if gpus and not cuda:
+            raise ValueError(f"gpus_per_worker={gpus:g} with device {self.engine.device!r}: "
+                             "GPUs are for --device cuda")
+        if self.mode == ClusterMode.COLOCATED:
+            return  # no KV moves between workers
+        backend = self.transfer_backend
+        if backend == TransferBackend.NCCL and not cuda:
+            raise ValueError("transfer_backend nccl moves GPU memory: it needs --device cuda "
+                             "(on CPU use gloo or auto)")
+        if backend == TransferBackend.GLOO and cuda:
+            raise ValueError("transfer_backend gloo moves host memory, not a CUDA KV cache: "
+                             "use nccl or auto with --device cuda")
+        if backend == TransferBackend.NCCL and gpus < 1:
+            raise ValueError(
+                f"transfer_backend nccl with gpus_per_worker={gpus:g}: two NCCL ranks would "
+                "share one GPU, which NCCL refuses. Give each worker a GPU "
+                "(--gpus-per-worker 1) or use --transfer-backend auto, which sends KV between "
+                "workers on the same GPU through CUDA IPC")

@@ -25,7 +25,7 @@ def test_serve_defaults_are_the_dataclass_defaults():
 
 def test_every_cluster_setting_has_a_flag_that_reaches_the_config():
     changed = {"mode": "conditional", "prefill_workers": "3", "max_num_seqs": "7", "memory_gb": "0.5",
-               "enable_prefix_caching": None, "transfer_backend": "gloo", "local_prefill_threshold": "9",
+               "enable_prefix_caching": None, "transfer_backend": "nccl", "local_prefill_threshold": "9",
                "dtype": "bfloat16", "device": "cuda:1", "max_model_len": "100"}
     flags = {s.name: s.flag for s in settings(ClusterConfig)}
     argv = []
@@ -33,7 +33,7 @@ def test_every_cluster_setting_has_a_flag_that_reaches_the_config():
         argv += [flags[name].replace("--", "--no-") if value is None else flags[name]]
         argv += [] if value is None else [value]
     cfg = build_config(_serve(*argv))
-    assert cfg.mode is ClusterMode.CONDITIONAL and cfg.transfer_backend is TransferBackend.GLOO
+    assert cfg.mode is ClusterMode.CONDITIONAL and cfg.transfer_backend is TransferBackend.NCCL
     assert (cfg.prefill_workers, cfg.local_prefill_threshold) == (3, 9)
     assert cfg.engine.scheduler.max_num_seqs == 7 and cfg.engine.cache.memory_gb == 0.5
     assert cfg.engine.cache.enable_prefix_caching is False
