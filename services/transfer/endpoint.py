@@ -82,14 +82,19 @@ def open_pair_channel(kind: str, rank: int, device: str | torch.device,
     (a private directory) and ``group_name``.
 
     ``kind``: ``nccl`` (two GPUs), ``ipc`` (one GPU) or ``auto`` (``ipc`` when both ranks
-    report the same device UUID, else ``nccl``). ``device``: this process's GPU.
+    report the same device UUID, else ``nccl``). ``device``: this process's GPU; ``cpu``
+    runs the ``ipc`` path over shared host memory (a dry run of the plumbing).
     """
     device = torch.device(device)
-    if device.type != "cuda":
-        raise ValueError(f"a KV pair without Ray runs on CUDA, got device {device}")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     rendezvous = FileRendezvous(rendezvous_dir)
     peer = 1 - rank
-    if kind == "auto":
+    if device.type == "cpu":
+        if kind not in ("auto", IPC):
+            raise ValueError(f"on CPU only the ipc path runs (a dry run), got kind {kind!r}")
+        kind = IPC
+    elif kind == "auto":
         mine = str(torch.cuda.get_device_properties(device).uuid)
         rendezvous.put(f"{group_name}-uuid-{rank}", mine.encode())
         theirs = rendezvous.get(f"{group_name}-uuid-{peer}", timeout_ms / 1000).decode()

@@ -133,7 +133,10 @@ class IpcChannel(ChannelBase):
             waited += IDLE_POLL_S
             if not idle and waited >= self.op_timeout_s:
                 raise TimeoutError(f"no message from rank {peer} within {self.op_timeout_s:g}s")
-        return conn.recv()
+        try:
+            return conn.recv()
+        except EOFError:
+            raise ConnectionError(f"rank {peer} closed the connection") from None
 
     @contextlib.contextmanager
     def _failing(self, op: str, peer: int) -> Iterator[None]:
