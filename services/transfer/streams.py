@@ -89,9 +89,20 @@ class CudaSync:
         if device.type != "cuda" or device.index is None:
             raise ValueError(f"CudaSync needs an indexed CUDA device (cuda:N), got {device}")
         self.device = device
+        self._owned: list = []  # cupy streams behind the torch handles
 
     def new_stream(self, name: str) -> torch.cuda.Stream:
-        return torch.cuda.Stream(device=self.device)
+        """A stream of its own: created non-blocking through cupy where installed (torch's
+        pool hands its 32 streams out round-robin to any code of the process, so a pool
+        stream may be shared with work that waits), else from torch's non-blocking pool."""
+        try:
+            import cupy
+        except ImportError:
+            return torch.cuda.Stream(device=self.device)
+        with cupy.cuda.Device(self.device.index):
+            raw = cupy.cuda.Stream(non_blocking=True)
+        self._owned.append(raw)
+        return torch.cuda.ExternalStream(raw.ptr, device=self.device)
 
     def current_stream(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device)

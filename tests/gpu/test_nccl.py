@@ -1,6 +1,7 @@
-"""The NCCL path through cupy: a 1-rank communicator sending to itself inside a group call
-(NCCL refuses two ranks on one GPU), the KV staging layout on CUDA, and a real pair of
-Ray actors over ``ray.util.collective`` nccl where two GPUs exist."""
+"""The GPU transfer path: a 1-rank communicator sending to itself inside a group call
+(NCCL refuses two ranks on one GPU), the KV staging layout on CUDA, streams that do not
+wait for each other, the two-process KV pair check over CUDA IPC on one GPU and over NCCL
+where two GPUs exist, and a real cluster of Ray actors over NCCL on two GPUs."""
 
 from __future__ import annotations
 
@@ -44,6 +45,49 @@ def test_kv_blocks_survive_gather_send_scatter_on_cuda():
     assert torch.equal(dst.kv[:, :, blocks_dst], src.kv[:, :, blocks_src])
 
 
+def test_a_busy_transfer_stream_never_holds_up_compute():
+    """The stream-ordering probe: work pending on a transfer stream (as a receive posted
+    for an idle peer) does not delay compute on the worker's compute stream."""
+    from services.transfer.streams import CudaSync, wait_until_done
+
+    sync = CudaSync(torch.device("cuda", torch.cuda.current_device()))
+    transfer, compute = sync.new_stream("kv"), sync.new_stream("compute")
+    with sync.use(transfer):
+        torch.cuda._sleep(int(5e9))  # seconds of a busy kernel: a receive nobody answers
+    transfer_done = sync.record_event(transfer)
+    with sync.use(compute):
+        x = torch.randn(512, 512, device=sync.device)
+        y = x @ x
+    compute_done = sync.record_event(compute, timing=True)
+    wait_until_done(sync, compute_done, 30.0)
+    assert not sync.event_done(transfer_done), "compute waited for the transfer stream"
+    assert torch.isfinite(y).all()
+    torch.cuda.synchronize()
+
+
+def _pair_check(devices):
+    from services.transfer.pair_check import check_pair
+
+    return check_pair("auto", devices, num_blocks=64, repeats=4, timeout_s=120)
+
+
+def test_kv_pair_over_cuda_ipc_on_one_gpu():
+    result = _pair_check(("cuda:0", "cuda:0"))
+    assert result.error is None, result.error
+    assert result.kind == "ipc" and result.intact
+    print(f"\n[ipc] {result.num_bytes / 1e6:.1f} MB per transfer, median "
+          f"{result.gbps:.1f} GB/s, seconds {[round(x, 5) for x in result.seconds]}")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="a real NCCL pair needs two GPUs")
+def test_kv_pair_over_nccl_between_two_gpus():
+    result = _pair_check(("cuda:0", "cuda:1"))
+    assert result.error is None, result.error
+    assert result.kind == "nccl" and result.intact
+    print(f"\n[nccl] {result.num_bytes / 1e6:.1f} MB per transfer, median "
+          f"{result.gbps:.1f} GB/s")
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="a real NCCL pair needs two GPUs")
 def test_cluster_over_nccl_matches_offline(tiny_model_dir):
     import asyncio
@@ -62,7 +106,7 @@ def test_cluster_over_nccl_matches_offline(tiny_model_dir):
     ray.init(num_gpus=2, include_dashboard=False)
     cluster = Cluster(ClusterConfig(
         engine=EngineConfig(model=str(tiny_model_dir), device="cuda", cache=CacheConfig(num_blocks=64)),
-        gpus_per_worker=1, transfer_backend="nccl")).start()
+        transfer_backend="nccl")).start()  # one GPU per worker by default on CUDA
     try:
         async def one(p):
             return [t async for d in cluster.generate(p, params) for t in d.token_ids]
