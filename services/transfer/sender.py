@@ -124,10 +124,17 @@ class KVSender:
 
     def _run_job(self, job: SendJob) -> None:
         tid, sync = job.transfer_id, self.sync
-        stream = self.channel.stream(job.dst_rank)
         if tid in self._failed:  # reported already; skip the rest of its groups
             if job.final:
                 self._failed.discard(tid)
+            return
+        try:
+            stream = self.channel.stream(job.dst_rank)
+        except ValueError as e:  # not a peer of this rank: nothing was queued for it
+            if not job.final:
+                self._failed.add(tid)
+            self._progress.pop(tid, None)
+            self._completions.put((SendReport(tid, False, str(e), 0, 0.0), None, None))
             return
         with sync.use(stream):
             if job.ready is not None:
@@ -156,13 +163,17 @@ class KVSender:
         while (item := self._completions.get()) is not None:
             report, start, end = item
             try:
-                self.channel.wait(end, f"KV send of {report.transfer_id}")
+                if end is not None:
+                    self.channel.wait(end, f"KV send of {report.transfer_id}")
                 if start is not None:
                     report.seconds = self.sync.elapsed(start, end)
             except Exception as e:  # the channel broke: its communicators are gone
                 if report.ok:
                     report.ok, report.error = False, f"{type(e).__name__}: {e}"
-            self._on_done(report)
+            try:
+                self._on_done(report)
+            except Exception:  # noqa: BLE001 - one report must not stop the others
+                log.exception("KV send report for %s failed", report.transfer_id)
 
     def _heartbeat(self) -> None:
         """An empty header to every peer; a failure breaks the channel (the receiver is gone)."""
