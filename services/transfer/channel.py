@@ -97,12 +97,16 @@ class ChannelBase:
             raise ChannelBrokenError(f"transfer channel broken: {self.broken}")
         try:
             wait_until_done(self.sync, event, None if idle else self.op_timeout_s,
-                            lambda: self.broken, what)
+                            self._why_broken, what)
         except TimeoutError as e:
             self._expired(str(e))
             raise ChannelBrokenError(f"transfer channel broken: {self.broken}") from e
         except ConnectionError as e:
             raise ChannelBrokenError(str(e)) from e
+
+    def _why_broken(self) -> str | None:
+        """Polled while waiting: why the awaited work can never complete (None: it may)."""
+        return self.broken
 
     def _expired(self, what: str) -> None:
         """A bounded operation outlived its deadline: the channel is out of step for good."""

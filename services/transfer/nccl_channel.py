@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -53,6 +53,26 @@ def pair_key(group_name: str, a: int, b: int) -> str:
     return f"{group_name}-pair-{lo}-{hi}"
 
 
+def exchange_unique_id(rendezvous: Rendezvous, key: str, lower: bool, timeout_s: float,
+                       new_id: Callable[[], Sequence[int]]) -> tuple[int, ...]:
+    """Meet the other end of a pair: the lower rank publishes a fresh unique id, the higher
+    one takes it and confirms, so neither enters the (blocking) communicator init alone;
+    both get the same id and the keys are gone afterwards. ``TimeoutError`` when the
+    other end does not come within ``timeout_s``."""
+    if lower:
+        uid = tuple(new_id())
+        rendezvous.put(key, json.dumps(list(uid)).encode())
+        try:
+            rendezvous.get(key + "-joined", timeout_s)
+        finally:
+            rendezvous.delete(key)
+        rendezvous.delete(key + "-joined")
+        return uid
+    uid = tuple(json.loads(rendezvous.get(key, timeout_s)))
+    rendezvous.put(key + "-joined", b"1")
+    return uid
+
+
 class NcclChannel(ChannelBase):
     """This rank's NCCL pairs with ``peers``; ``device`` is its own GPU (``cuda:N``)."""
 
@@ -75,34 +95,24 @@ class NcclChannel(ChannelBase):
             for peer in pair_order(rank, self.peers):
                 with self._watchdog.guard(f"connecting to rank {peer}", timeout_s):
                     self._comms[peer] = self._connect(peer, rendezvous, timeout_s)
-                self._warm_up(peer, receive=peer in senders, timeout_s=timeout_s)
+                self._warm_up(peer, receive=peer in senders)
         except BaseException:
             self.close()
             raise
 
     def _connect(self, peer: int, rendezvous: Rendezvous, timeout_s: float):
-        """Meet ``peer``: the lower rank publishes the unique id, the higher one takes it
-        and confirms, so neither enters the (blocking) communicator init alone."""
         import cupy
 
         nccl = self._nccl
-        key = pair_key(self.group_name, self.rank, peer)
-        if self.rank < peer:
-            uid = tuple(nccl.get_unique_id())
-            rendezvous.put(key, json.dumps(list(uid)).encode())
-            rendezvous.get(key + "-joined", timeout_s)
-            rendezvous.delete(key + "-joined")
-        else:
-            uid = tuple(json.loads(rendezvous.get(key, timeout_s)))
-            rendezvous.put(key + "-joined", b"1")
-            rendezvous.delete(key)
+        uid = exchange_unique_id(rendezvous, pair_key(self.group_name, self.rank, peer),
+                                 self.rank < peer, timeout_s, nccl.get_unique_id)
         with cupy.cuda.Device(self.device.index):
             return nccl.NcclCommunicator(2, uid, self._pair_rank(peer))
 
     def _pair_rank(self, peer: int) -> int:
         return 0 if self.rank < peer else 1
 
-    def _warm_up(self, peer: int, receive: bool, timeout_s: float) -> None:
+    def _warm_up(self, peer: int, receive: bool) -> None:
         """One byte across the pair, waited for: NCCL connects its p2p path on first use."""
         stream = self.stream(peer)
         with self.sync.use(stream):
@@ -148,11 +158,12 @@ class NcclChannel(ChannelBase):
                 return f"rank {peer}: {type(e).__name__}: {e}"
         return None
 
-    def wait(self, event, what: str, idle: bool = False) -> None:
+    def _why_broken(self) -> str | None:
+        """Also a communicator's asynchronous error: a peer gone while this rank waits."""
         if self.broken is None and (error := self.async_error()) is not None:
             self.broken = error
             self._abort()
-        super().wait(event, what, idle)
+        return self.broken
 
     def _expired(self, what: str) -> None:
         """A call or wait outlived its deadline: abort every communicator (their kernels end)."""

@@ -117,3 +117,23 @@ def test_meeting_pairs_in_pair_order_never_deadlocks(prefill, decode):
     for t in threads:
         t.join(30)
     assert not errors and all(sorted(met[r]) == sorted(peers[r]) for r in ranks)
+
+
+def test_both_ends_of_a_pair_get_one_unique_id_and_the_meeting_point_is_cleaned(tmp_path):
+    from services.transfer.nccl_channel import exchange_unique_id, pair_key
+    from services.transfer.rendezvous import FileRendezvous
+
+    meet = FileRendezvous(tmp_path / "meet")
+    key = pair_key("g", 3, 1)
+    assert key == pair_key("g", 1, 3)
+    got: dict = {}
+    t = threading.Thread(target=lambda: got.setdefault("higher", exchange_unique_id(
+        meet, key, False, 10.0, lambda: pytest.fail("only the lower rank makes the id"))))
+    t.start()
+    got["lower"] = exchange_unique_id(meet, key, True, 10.0, lambda: (-5, 7, 127))
+    t.join(10)
+    assert got == {"lower": (-5, 7, 127), "higher": (-5, 7, 127)}
+    assert not list((tmp_path / "meet").iterdir())
+    with pytest.raises(TimeoutError):  # the peer never comes: bounded, and nothing left behind
+        exchange_unique_id(meet, key, True, 0.05, lambda: (1,))
+    assert not list((tmp_path / "meet").iterdir())
