@@ -52,6 +52,7 @@ class IpcChannel(ChannelBase):
         """``senders``: the peers whose KV this rank receives (warm-up direction)."""
         super().__init__(rank, world_size, list(links), sync, op_timeout_s)
         self._links = dict(links)
+        self._last_read: dict[int, object] = {}
         for peer in pair_order(rank, self.peers):
             self._warm_up(peer, receive=peer in senders)
 
@@ -113,6 +114,9 @@ class IpcChannel(ChannelBase):
             buf.copy_(data, non_blocking=True)
             read = self.sync.record_event(stream, interprocess=True)
             del data  # the shared view: the sender's memory is not ours to keep
+            # kept until the next message from this peer, which comes only after the sender
+            # opened it (an event destroyed before its handle is opened cannot be waited for)
+            self._last_read[src_rank] = read
             self._links[src_rank].send(("read", self.sync.export_event(read)))
 
     def _check(self, tensor: torch.Tensor, op: str) -> None:
