@@ -122,12 +122,14 @@ class DecodeWorker(EngineWorker):
         if receiver is None or receiver.broken is not None:
             raise TransferFailedError(f"decode worker {self.worker_id} has no working transfer "
                                       f"group ({receiver.broken if receiver else 'not joined'})")
-        blocks = await self._run(lambda e: e.reserve(request_id, prompt_token_ids, params))
+        blocks, reserved = await self._run(lambda e: self._reserve_blocks(
+            e, request_id, prompt_token_ids, params))
         if blocks is None:
             return None
         groups = layer_groups(self.engine.model_config.num_layers, layer_group_size)
         try:
-            receiver.expect(transfer_id, src_rank, blocks, [g.layers for g in groups])
+            receiver.expect(transfer_id, src_rank, blocks, [g.layers for g in groups],
+                            after=reserved)
         except Exception as e:
             await self._run(lambda e: e.cancel_reserved(request_id))  # nothing can write yet
             raise TransferFailedError(f"{request_id}: {e}") from e
@@ -136,6 +138,16 @@ class DecodeWorker(EngineWorker):
             request_id=request_id, transfer_id=transfer_id, block_ids=tuple(blocks),
             layer_groups=groups, src_rank=src_rank, dst_rank=self.rank,
             num_prompt_tokens=len(prompt_token_ids), checksum=checksum)
+
+    def _reserve_blocks(self, engine, request_id: str, prompt_token_ids: Sequence[int],
+                        params: SamplingParams):
+        """On the engine thread: the blocks, and an event on the compute stream after the
+        work queued so far (kernels of the blocks' earlier owner), which the KV's first
+        write waits for."""
+        blocks = engine.reserve(request_id, prompt_token_ids, params)
+        if blocks is None:
+            return None, None
+        return blocks, self.sync.record_event(self.sync.current_stream())
 
     async def cancel(self, request_id: str) -> None:
         """Give up a reservation: stop writes into its blocks, then free them."""

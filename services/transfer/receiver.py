@@ -56,6 +56,7 @@ class PendingTransfer:
     seconds: float = 0.0  # first byte to last, on the device (events) once DONE
     first: Any = None  # timing event before the first group's payload
     ready: Any = None  # event after the last write: the decode step waits for it
+    after: Any = None  # the first write waits for it (the blocks' reservation on compute)
     lock: threading.Lock = field(default_factory=threading.Lock)
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -81,11 +82,16 @@ class KVReceiver:
             t.start()
 
     def expect(self, transfer_id: str, src_rank: int, block_ids: Sequence[int],
-               layer_groups: Sequence[range]) -> PendingTransfer:
-        """Register a transfer before its prefill starts (blocks already reserved)."""
+               layer_groups: Sequence[range], after: Any = None) -> PendingTransfer:
+        """Register a transfer before its prefill starts (blocks already reserved).
+
+        ``after``: an event on the compute stream recorded once the blocks were reserved;
+        the first write into them waits for it (device-side), so no kernel of an earlier
+        owner of these blocks still queued there can run after it."""
         if transfer_id == HEARTBEAT_ID:
             raise ValueError(f"{HEARTBEAT_ID!r} is reserved for heartbeats")
-        pt = PendingTransfer(transfer_id, src_rank, list(block_ids), list(layer_groups))
+        pt = PendingTransfer(transfer_id, src_rank, list(block_ids), list(layer_groups),
+                             after=after)
         with self._lock:
             if src_rank in self.dead_peers:
                 raise ConnectionError(f"prefill rank {src_rank} is unreachable")
@@ -174,6 +180,12 @@ class KVReceiver:
                         self._finish(pt, TransferStatus.FAILED, f"prefill rank {peer} lost: {e}")
                 return
 
+    def _after_reservation(self, pt: PendingTransfer, stream: Any) -> None:
+        """Before the first write into ``pt``'s blocks (under ``pt.lock``)."""
+        if pt.after is not None:
+            self.sync.wait_event(stream, pt.after)
+            pt.after = None
+
     def _written(self, pt: PendingTransfer, stream: Any, first: Any, what: str) -> None:
         """Wait (bounded; under ``pt.lock``) until the writes queued so far are on the device."""
         done = self.sync.record_event(stream, timing=True)
@@ -204,6 +216,7 @@ class KVReceiver:
                     and checksum(payload) != header.checksum:
                 error = f"checksum mismatch in group {g}"
             if error is None:
+                self._after_reservation(pt, stream)
                 try:
                     self._scatter(to_device(pt.block_ids, self.channel.device),
                                   pt.layer_groups[g], payload.view(self.dtype).view(shape))
@@ -225,6 +238,8 @@ class KVReceiver:
             live = pt is not None and not pt.done.is_set()
             error = self._in_place_error(pt, header, len(plan), peer) if live else None
             first_layer = pt.layer_groups[header.layer_group].start if live and not error else 0
+            if live and not error:
+                self._after_reservation(pt, stream)
             first = self.sync.record_event(stream, timing=True)
             for layer, kv, start, n in plan:
                 if live and not error:

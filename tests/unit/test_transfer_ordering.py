@@ -153,7 +153,12 @@ def test_a_full_transfer_is_ordered_by_events_from_compute_to_decode(workers, ti
     _at(log, ("done", log[end][2]), end)
     assert "ord-1" not in prefill.engine.scheduler.prefilled
 
-    # decode: the last group's payload lands, an event is recorded on the pair's stream,
+    # decode: the reservation is an event on the compute stream, and the pair's stream
+    # waits for it before the first bytes land in the blocks
+    reserved = log[_at(log, ("record", "D:compute"))]
+    first_bytes = _at(log, ("recv", "D:kv-1-0", "bytes"))
+    assert _at(log, ("wait", "D:kv-1-0", reserved[2])) < first_bytes
+    # the last group's payload lands, an event is recorded on the pair's stream,
     # the compute stream waits for it, and only then does a step read the blocks
     last_recv = max(i for i, e in enumerate(log) if e[:2] == ("recv", "D:kv-1-0")
                     and e[2] == "bytes")
