@@ -1,11 +1,12 @@
 """Which GPU a worker actor runs on, and how to recognise that GPU from another process.
 
 Inside a Ray actor, ``cuda`` means the GPU Ray assigned to it. Ray normally
-narrows ``CUDA_VISIBLE_DEVICES`` to the assigned GPUs (then it is ``cuda:0``), but
-not with ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES`` set, nor for GPUs listed
-in a ``CUDA_VISIBLE_DEVICES`` the whole node was started with: there the assigned
-GPU's index is its position among the visible devices. ``cuda:N`` names the
-N-th GPU assigned to the worker.
+narrows ``CUDA_VISIBLE_DEVICES`` to the assigned GPUs (then it is ``cuda:0``);
+with ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES`` it leaves the variable as
+the node had it (the GPUs the node was started with, or unset: all of them),
+and the assigned GPU's index is its position in that list (or its id, when
+unset). ``cuda:N`` names the N-th GPU assigned to the worker; without GPUs from
+Ray (``--gpus-per-worker 0``) the configured device stands.
 """
 
 from __future__ import annotations
