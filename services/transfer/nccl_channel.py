@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections.abc import Callable, Sequence
 
 import torch
@@ -89,6 +90,7 @@ class NcclChannel(ChannelBase):
         self._nccl = nccl
         self.group_name = group_name
         self._comms: dict[int, object] = {}
+        self._comms_lock = threading.Lock()  # error checks vs abort (which frees them)
         self._watchdog = Watchdog(self._expired)
         timeout_s = timeout_ms / 1000
         try:
@@ -151,11 +153,12 @@ class NcclChannel(ChannelBase):
 
     def async_error(self) -> str | None:
         """A communicator's asynchronous error (a peer gone, a network failure), if any."""
-        for peer, comm in self._comms.items():
-            try:
-                comm.check_async_error()
-            except Exception as e:  # noqa: BLE001 - reported as the reason
-                return f"rank {peer}: {type(e).__name__}: {e}"
+        with self._comms_lock:
+            for peer, comm in self._comms.items():
+                try:
+                    comm.check_async_error()
+                except Exception as e:  # noqa: BLE001 - reported as the reason
+                    return f"rank {peer}: {type(e).__name__}: {e}"
         return None
 
     def _why_broken(self) -> str | None:
@@ -172,7 +175,8 @@ class NcclChannel(ChannelBase):
         self._abort()
 
     def _abort(self) -> None:
-        comms, self._comms = self._comms, {}
+        with self._comms_lock:
+            comms, self._comms = self._comms, {}
         for comm in comms.values():
             try:
                 comm.abort()
