@@ -139,8 +139,10 @@ class NcclChannel(ChannelBase):
                 or not tensor.is_contiguous():
             raise ValueError(f"NCCL {op} takes a contiguous uint8 tensor on {self.device}, "
                              f"got {tensor.dtype} on {tensor.device}")
-        comm, stream = self._comms[peer], self.stream(peer)
-        other = 1 - self._pair_rank(peer)
+        stream, other = self.stream(peer), 1 - self._pair_rank(peer)
+        comm = self._comms.get(peer)
+        if comm is None:  # aborted meanwhile
+            raise ChannelBrokenError(f"transfer channel broken: {self.broken or 'aborted'}")
         try:
             with self._watchdog.guard(f"{op} with rank {peer}", None if idle else self.op_timeout_s):
                 fn = comm.send if op == "send" else comm.recv
