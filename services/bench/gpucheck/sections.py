@@ -7,6 +7,7 @@ naming the error, and the next section still runs.
 from __future__ import annotations
 
 import gc
+import time
 import traceback
 from collections.abc import Callable
 
@@ -58,6 +59,7 @@ def run(ctx: CheckContext, only: set[str] | None = None,
         if only and name not in only:
             continue
         log(f"[gpu-check] {name} ...")
+        started = time.monotonic()
         try:
             rows = fn(ctx)
         except Exception as e:  # noqa: BLE001 - a crashed section is a FAIL row
@@ -66,6 +68,7 @@ def run(ctx: CheckContext, only: set[str] | None = None,
             rows = [Result(name, Status.FAIL, f"{type(e).__name__}: {first}"[:200])]
         for r in rows:
             log(f"[gpu-check]   {r.status} {r.section}: {r.result} {r.figure}")
+        log(f"[gpu-check] {name}: {time.monotonic() - started:.1f} s")
         results.extend(rows)
         gc.collect()
         if ctx.device.type == "cuda":
