@@ -58,8 +58,10 @@ def check_kernel(ctx: CheckContext) -> list[Result]:
 
     lens = MIXED_BATCH if not ctx.dry_run else MIXED_BATCH[:-1]
     results = []
-    cases = [("float32", 8, 2, 128, 16, None, 2e-5), ("bfloat16", 32, 8, 128, 16, None, 2e-2),
-             ("bfloat16", 16, 2, 64, 16, 37, 2e-2)]
+    # bf16: the output is rounded to bf16 (|out| up to ~3) and, as in flash attention, so are
+    # the softmax weights before the PV product
+    cases = [("float32", 8, 2, 128, 16, None, 2e-5), ("bfloat16", 32, 8, 128, 16, None, 5e-2),
+             ("bfloat16", 16, 2, 64, 16, 37, 5e-2)]
     if ctx.dry_run:  # the interpreter is slow, and has no bfloat16 dot
         cases = [("float32", 4, 2, 16, 8, None, 2e-5), ("float32", 8, 1, 32, 16, 5, 2e-5)]
     for dtype_name, heads, kv_heads, head_dim, block_size, window, tol in cases:
