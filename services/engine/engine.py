@@ -85,7 +85,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, KVCacheManager(self.block_pool, cc.block_size))
         self.runner = ModelRunner(model, self.kv_cache, Sampler(config.seed), self.eos_token_ids,
                                   attention=config.attention_backend,
-                                  cuda_graphs=config.cuda_graphs,
+                                  # a prefill-role engine never runs a pure decode step
+                                  cuda_graphs=config.cuda_graphs and sc.role != EngineRole.PREFILL,
                                   max_num_seqs=sc.max_num_seqs, max_model_len=self.max_model_len)
         self.speculator = make_speculator(config, mc, self.scheduler.kv, num_blocks, self.dtype,
                                           self.max_model_len)

@@ -25,19 +25,23 @@ def _judged(ctx: CheckContext, ok: bool) -> Status:
     return Status.PASS if ok else Status.MISS
 
 
-def check_floors(ctx: CheckContext) -> list[Result]:
-    n = ctx.sizes.copy_bytes
+def _copy_s(ctx: CheckContext, n: int) -> float:
     src = torch.empty(n, dtype=torch.uint8, device=ctx.device)
     dst = torch.empty_like(src)
-    t = ctx.median_s(lambda: dst.copy_(src), repeats=10)
-    ctx.hbm_bytes_per_s = 2 * n / t  # read + write
-    del src, dst
-    m = ctx.sizes.matmul_n
-    dtype = torch.bfloat16 if ctx.device.type == "cuda" else torch.float32
+    return ctx.median_s(lambda: dst.copy_(src), repeats=10)
+
+
+def _matmul_s(ctx: CheckContext, m: int, dtype: torch.dtype) -> float:
     a = torch.randn(m, m, device=ctx.device, dtype=dtype)
     b = torch.randn(m, m, device=ctx.device, dtype=dtype)
-    t = ctx.median_s(lambda: a @ b, repeats=10, warmup=3)
-    ctx.peak_flops = 2 * m ** 3 / t
+    return ctx.median_s(lambda: a @ b, repeats=10, warmup=3)
+
+
+def check_floors(ctx: CheckContext) -> list[Result]:
+    n, m = ctx.sizes.copy_bytes, ctx.sizes.matmul_n
+    ctx.hbm_bytes_per_s = 2 * n / _copy_s(ctx, n)  # read + write
+    dtype = torch.bfloat16 if ctx.device.type == "cuda" else torch.float32
+    ctx.peak_flops = 2 * m ** 3 / _matmul_s(ctx, m, dtype)
     status = Status.DRY if ctx.dry_run else Status.INFO
     return [Result("floor: HBM bandwidth", status, f"device-to-device copy of {n / 2**30:.2f} GiB",
                    f"{ctx.hbm_bytes_per_s / 1e12:.2f} TB/s", "H200 spec 4.8"),
@@ -166,14 +170,14 @@ def _graphs_agree(on, off, context: int, n: int) -> Result:
                   f"{n} tokens", "identical")
 
 
-def check_prefill(ctx: CheckContext) -> list[Result]:
-    s = ctx.sizes
-    t = s.prefill_tokens
+def _prefill(ctx: CheckContext) -> tuple[float, float]:
+    """(median seconds, FLOPs) of prefilling one ``prefill_tokens`` prompt in one step."""
+    from services.common.sampling_params import SamplingParams
+
+    t = ctx.sizes.prefill_tokens
     eng = _engine(ctx, max_num_seqs=4, max_num_batched_tokens=t, max_model_len=t + 64,
                   enable_prefix_caching=False, cuda_graphs=False,
                   kv_cache_memory_gb=0.05 if ctx.dry_run else 4.0)
-    from services.common.sampling_params import SamplingParams
-
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     prompt = torch.randint(3, eng.model_config.vocab_size, (t,),
                            generator=torch.Generator().manual_seed(1)).tolist()
@@ -184,13 +188,20 @@ def check_prefill(ctx: CheckContext) -> list[Result]:
         eng.add_request(f"p{count[0]}", prompt, params)
         eng.step()  # the whole prompt in one step, token #1 sampled: the request ends
 
-    seconds = ctx.median_s(one, repeats=max(1, s.timed_steps // 6), warmup=1 if ctx.dry_run else 2)
+    seconds = ctx.median_s(one, repeats=max(1, ctx.sizes.timed_steps // 6),
+                           warmup=1 if ctx.dry_run else 2)
     mc = eng.model_config
+    # every projection on every token (the LM head on one row only), causal attention
     linear = _weight_bytes(eng) // eng.kv_cache.kv.element_size() - mc.vocab_size * mc.hidden_size
-    flops = 2 * linear * t + 2 * mc.num_layers * t * t * mc.num_heads * mc.head_dim  # causal
-    share = flops / seconds / ctx.peak_flops
-    del eng
+    flops = 2 * linear * t + 2 * mc.num_layers * t * t * mc.num_heads * mc.head_dim
+    return seconds, flops
+
+
+def check_prefill(ctx: CheckContext) -> list[Result]:
+    seconds, flops = _prefill(ctx)
     _free()
-    return [Result(f"prefill {t} tokens vs peak", _judged(ctx, share >= PREFILL_TARGET),
+    share = flops / seconds / ctx.peak_flops
+    return [Result(f"prefill {ctx.sizes.prefill_tokens} tokens vs peak",
+                   _judged(ctx, share >= PREFILL_TARGET),
                    f"{seconds * 1e3:.1f} ms, {flops / seconds / 1e12:.0f} TFLOP/s",
                    f"{share:.0%} of peak", f">= {PREFILL_TARGET:.0%}")]

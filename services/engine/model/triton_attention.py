@@ -15,6 +15,7 @@ interpreter (``TRITON_INTERPRET=1``), which the unit tests use.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import torch
@@ -51,9 +52,7 @@ class TritonPagedAttention:
 
 def triton_usable(device: torch.device) -> str | None:
     """None if the Triton backend can run on ``device``; else why not."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("triton") is None:
         return "triton is not installed"
     if device.type == "cuda":
         return None
