@@ -10,8 +10,9 @@ draft (``spec/verifier.py``).
 
 With a backend that reads blocks in place (``uses_varlen``: the Triton kernels
 on CUDA) the step is one varlen batch instead of groups, its inputs reach the
-device in one copy (``varlen_inputs.py``), pure decode steps replay CUDA
-graphs (``decode_graphs.py``), and the one sync is reading the sampled tokens.
+device in one copy (``varlen_inputs.py``), the layer's elementwise steps are
+fused Triton kernels (``model/triton_layer_ops.py``), pure decode steps replay
+CUDA graphs (``decode_graphs.py``), and the one sync is reading the sampled tokens.
 """
 
 from __future__ import annotations
@@ -73,6 +74,10 @@ class ModelRunner:
         model.attn = select_attention(attention, self.device, model.attn, cfg.head_dim ** -0.5,
                                       cfg.sliding_window)
         self.varlen = model.attn.uses_varlen
+        if self.varlen:  # the Triton path: the elementwise steps fused too
+            from services.engine.model.triton_layer_ops import TritonLayerOps
+
+            model.ops = TritonLayerOps()
         self.inputs = VarlenInputs(self.device, self.block_size) if self.varlen else None
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and self.inputs is not None:

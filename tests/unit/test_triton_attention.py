@@ -151,3 +151,35 @@ def test_triton_backend_on_cpu_without_interpreter_is_refused(checkpoint, monkey
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="needs CUDA"):
         LLM(str(checkpoint), attention_backend="triton", num_blocks=8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_layer_ops_round_as_torch_does(dtype):
+    """Residual add + RMSNorm, RoPE on strided q/k views, SiLU-and-mul: one kernel each,
+    equal to the torch ops. Not bf16: the interpreter truncates to bf16 where the GPU rounds
+    to nearest (gpu-check compares bf16 on the device)."""
+    from services.engine.model.layer_ops import TorchLayerOps
+    from services.engine.model.llama import RMSNorm
+    from services.engine.model.rope import RotaryEmbedding
+    from services.engine.model.triton_layer_ops import TritonLayerOps
+
+    def close(a, b):
+        return torch.allclose(a.float(), b.float(), rtol=1e-6, atol=1e-6)
+
+    torch.manual_seed(0)
+    ref, fused = TorchLayerOps(), TritonLayerOps()
+    norm = RMSNorm(96, 1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        x, delta = torch.randn(5, 96).to(dtype), torch.randn(5, 96).to(dtype)
+        for d in (delta, None):
+            (x1, h1), (x2, h2) = ref.add_norm(x, d, norm), fused.add_norm(x, d, norm)
+            assert close(x1, x2) and close(h1, h2)
+        rope = RotaryEmbedding(32, 64, 10000.0, None, dtype)
+        qkv = torch.randn(5, (4 + 2 * 2) * 32).to(dtype)
+        q, k = qkv[:, :128].view(5, 4, 32), qkv[:, 128:192].view(5, 2, 32)
+        positions = torch.tensor([0, 3, 7, 63, 5])
+        (q1, k1), (q2, k2) = ref.rope(rope, q, k, positions), fused.rope(rope, q, k, positions)
+        assert close(q1, q2) and close(k1, k2)
+        gate_up = torch.randn(5, 2 * 80).to(dtype)
+        assert close(ref.silu_mul(gate_up), fused.silu_mul(gate_up))

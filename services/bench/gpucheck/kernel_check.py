@@ -85,3 +85,43 @@ def check_kernel(ctx: CheckContext) -> list[Result]:
                               "matches the float64 reference" if ok else "differs from the reference",
                               f"max err {err:.2e}", f"<= {tol:g}"))
     return results
+
+
+def check_layer_ops(ctx: CheckContext) -> list[Result]:
+    """The fused Triton layer ops against the torch ops they replace, on one batch."""
+    from services.engine.model.layer_ops import TorchLayerOps
+    from services.engine.model.llama import RMSNorm
+    from services.engine.model.rope import RotaryEmbedding
+    from services.engine.model.triton_layer_ops import TritonLayerOps
+
+    dtype = getattr(torch, ctx.half_dtype)
+    dev, t, heads, kv_heads, d, hidden, inter = ctx.device, 37, 32, 8, 128, 4096, 14336
+    if ctx.dry_run:
+        t, heads, kv_heads, d, hidden, inter = 5, 4, 2, 32, 96, 80
+    torch.manual_seed(0)
+    ref, fused = TorchLayerOps(), TritonLayerOps()
+    norm = RMSNorm(hidden, 1e-6).to(device=dev, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        x = torch.randn(t, hidden, device=dev).to(dtype)
+        delta = torch.randn(t, hidden, device=dev).to(dtype)
+        rope = RotaryEmbedding(d, 4096, 500000.0, None, dtype).to(dev)
+        qkv = torch.randn(t, (heads + 2 * kv_heads) * d, device=dev).to(dtype)
+        q = qkv[:, :heads * d].view(t, heads, d)
+        k = qkv[:, heads * d:(heads + kv_heads) * d].view(t, kv_heads, d)
+        positions = torch.randint(0, 4096, (t,), device=dev)
+        gate_up = torch.randn(t, 2 * inter, device=dev).to(dtype)
+        pairs = [(ref.add_norm(x, delta, norm), fused.add_norm(x, delta, norm)),
+                 (ref.rope(rope, q, k, positions), fused.rope(rope, q, k, positions)),
+                 ((ref.silu_mul(gate_up),), (fused.silu_mul(gate_up),))]
+    worst = 0.0  # in units of the dtype's relative rounding step
+    eps = torch.finfo(dtype).eps
+    for want, got in pairs:
+        for a, b in zip(want, got):
+            rel = ((a.float() - b.float()).abs() / a.float().abs().clamp_min(1e-3)).max()
+            worst = max(worst, float(rel) / eps)
+    ok = worst <= 1.0
+    return [Result(f"fused layer ops {ctx.half_dtype}", Status.PASS if ok else Status.FAIL,
+                   "add+RMSNorm, RoPE, SiLU-mul equal to the torch ops" if ok
+                   else "fused ops differ from the torch ops",
+                   f"max {worst:.2f} ulp", "<= 1 ulp")]

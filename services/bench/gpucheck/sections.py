@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from services.bench.gpucheck.context import CheckContext
-from services.bench.gpucheck.kernel_check import check_kernel
+from services.bench.gpucheck.kernel_check import check_kernel, check_layer_ops
 from services.bench.gpucheck.parity_checks import check_bf16, check_fp32
 from services.bench.gpucheck.report import Result, Status
 from services.bench.gpucheck.speed_checks import (check_decode, check_floors, check_kv_sizing,
@@ -42,6 +42,7 @@ def sections() -> list[Section]:
         ("device", check_device),
         ("floors", check_floors),  # first: later sections read ctx.hbm_bytes_per_s, peak_flops
         ("kernel", check_kernel),
+        ("layer ops", check_layer_ops),
         ("engine fp32", check_fp32),
         ("engine bf16", check_bf16),
         ("kv sizing", check_kv_sizing),
