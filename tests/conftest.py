@@ -11,6 +11,18 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 
+def _no_cuda() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+# Without CUDA the Triton kernels of the CUDA attention path can only run under Triton's
+# interpreter, which must be chosen before triton is first imported.
+if _no_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """The embedded ``tiny`` preset as a Hugging Face folder."""

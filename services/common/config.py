@@ -57,6 +57,11 @@ def _enum(cls: type[enum.Enum], value: object, name: str) -> enum.Enum:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}") from None
 
 
+# KV cache per engine on CPU when neither num_blocks nor memory_gb is given, GiB.
+CPU_KV_CACHE_GB = 1.0
+# Attention backends: auto = Triton kernels on CUDA, torch (SDPA, native CPU kernels) elsewhere.
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
 # Defaults the router shares (services.router.config.RouterConfig takes them from here).
 LOCAL_PREFILL_THRESHOLD = 64
 MAX_QUEUED_REQUESTS = 256
@@ -64,16 +69,24 @@ MAX_QUEUED_REQUESTS = 256
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Paged KV cache sizing.
+    """Paged KV cache sizing (``services.engine.kv_cache.sizing`` applies it).
 
-    ``num_blocks`` of ``None`` sizes the pool from ``memory_gb``.
+    ``num_blocks`` wins when set; else ``memory_gb`` when set; else, on CUDA, what
+    ``gpu_memory_utilization`` of the device leaves after the weights and the
+    step's working memory, and on CPU ``CPU_KV_CACHE_GB``.
     """
 
     block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
     num_blocks: int | None = field(default=None, metadata={
-        "help": "KV cache blocks per engine (default: as many as --kv-cache-gb holds)"})
-    memory_gb: float = field(default=1.0, metadata={
-        "flag": "--kv-cache-gb", "keyword": "kv_cache_memory_gb", "help": "KV cache per engine, GiB"})
+        "help": "KV cache blocks per engine (default: sized by --kv-cache-gb or "
+                "--gpu-memory-utilization)"})
+    memory_gb: float | None = field(default=None, metadata={
+        "flag": "--kv-cache-gb", "keyword": "kv_cache_memory_gb",
+        "help": f"KV cache per engine, GiB (default: {CPU_KV_CACHE_GB:g} on CPU; on CUDA what "
+                "--gpu-memory-utilization leaves)"})
+    gpu_memory_utilization: float = field(default=0.9, metadata={
+        "help": "CUDA: fraction of the device's memory this engine may use in all (weights, "
+                "working memory, KV cache); the KV cache gets the rest"})
     enable_prefix_caching: bool = field(default=True, metadata={
         "help": "reuse the KV of prompt prefixes seen before"})
 
@@ -82,8 +95,11 @@ class CacheConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2, got {self.num_blocks}")
-        if self.memory_gb <= 0:
+        if self.memory_gb is not None and self.memory_gb <= 0:
             raise ValueError(f"memory_gb must be > 0, got {self.memory_gb}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization}")
 
 
 @dataclass(frozen=True)
@@ -194,6 +210,12 @@ class EngineConfig:
         "help": "CPU fp32: oneDNN matmuls (faster; rounding differs from MKL's)"})
     cpu_kernels: bool = field(default=True, metadata={
         "help": "CPU fp32: native decode attention and fused kernels (compiled on first use)"})
+    attention_backend: str = field(default="auto", metadata={
+        "choices": ATTENTION_BACKENDS,
+        "help": "paged attention: triton (CUDA kernels reading the blocks in place), torch "
+                "(SDPA over gathered blocks); auto: triton on CUDA, torch elsewhere"})
+    cuda_graphs: bool = field(default=True, metadata={
+        "help": "CUDA: replay decode steps as CUDA graphs captured per batch-size bucket"})
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
@@ -202,6 +224,9 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
         check_device(self.device)
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:

@@ -24,6 +24,7 @@ from services.common.sampling_params import FinishReason, SamplingParams
 from services.engine.kv_cache.block_pool import BlockPool
 from services.engine.kv_cache.kv_manager import KVCacheManager, blocks_needed
 from services.engine.kv_cache.paged_cache import PagedKVCache
+from services.engine.kv_cache.sizing import num_kv_blocks, working_memory_bytes
 from services.engine.model.config import ModelConfig
 from services.engine.model.loader import load_model, resolve_dtype
 from services.engine.model_runner import ModelRunner, SampledToken
@@ -75,12 +76,18 @@ class LLMEngine:
         cc = config.cache
         per_block = PagedKVCache.bytes_per_block(mc.num_layers, cc.block_size, mc.num_kv_heads,
                                                  mc.head_dim, self.dtype)
-        num_blocks = cc.num_blocks or max(2, int(cc.memory_gb * 2**30) // per_block)
+        sc = config.scheduler
+        working = working_memory_bytes(mc, sc.max_num_batched_tokens, sc.max_num_seqs, self.dtype)
+        num_blocks = num_kv_blocks(cc, per_block, self.device, working)
         self.kv_cache = PagedKVCache(mc.num_layers, num_blocks, cc.block_size, mc.num_kv_heads,
                                      mc.head_dim, self.dtype, self.device)
         self.block_pool = BlockPool(num_blocks, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, KVCacheManager(self.block_pool, cc.block_size))
-        self.runner = ModelRunner(model, self.kv_cache, Sampler(config.seed), self.eos_token_ids)
+        self.runner = ModelRunner(model, self.kv_cache, Sampler(config.seed), self.eos_token_ids,
+                                  attention=config.attention_backend,
+                                  # a prefill-role engine never runs a pure decode step
+                                  cuda_graphs=config.cuda_graphs and sc.role != EngineRole.PREFILL,
+                                  max_num_seqs=sc.max_num_seqs, max_model_len=self.max_model_len)
         self.speculator = make_speculator(config, mc, self.scheduler.kv, num_blocks, self.dtype,
                                           self.max_model_len)
         self.num_steps = 0

@@ -7,6 +7,12 @@ third, each padded only to its own longest query. The LM head runs only on
 sampling rows: the last token of each finishing prefill chunk, every decode row
 and every position of a speculating decode, which are verified against the
 draft (``spec/verifier.py``).
+
+With a backend that reads blocks in place (``uses_varlen``: the Triton kernels
+on CUDA) the step is one varlen batch instead of groups, its inputs reach the
+device in one copy (``varlen_inputs.py``), the layer's elementwise steps are
+fused Triton kernels (``model/triton_layer_ops.py``), pure decode steps replay
+CUDA graphs (``decode_graphs.py``), and the one sync is reading the sampled tokens.
 """
 
 from __future__ import annotations
@@ -17,12 +23,15 @@ from dataclasses import dataclass
 import torch
 
 from services.engine.kv_cache.paged_cache import PagedKVCache
+from services.engine.decode_graphs import DecodeGraphs
 from services.engine.model.attention import AttentionGroup, AttentionMetadata
 from services.engine.model.llama import LlamaModel
+from services.engine.model.triton_attention import select_attention
 from services.engine.sampler import Sampler, SamplingBatch, TokenLogprob
 from services.engine.scheduler import ScheduledSeq
 from services.engine.sequence import Sequence as EngineSequence
 from services.engine.spec.verifier import DraftPrefix, accepted_length
+from services.engine.varlen_inputs import Entry, StepTensors, VarlenInputs
 
 
 @dataclass
@@ -41,10 +50,19 @@ class _Row:
 
 
 class ModelRunner:
-    """Owns the model, its KV cache tensors and the sampler on one device."""
+    """Owns the model, its KV cache tensors and the sampler on one device.
+
+    ``attention``: ``auto`` (Triton on CUDA, torch elsewhere), ``torch`` or
+    ``triton``. ``cuda_graphs``: replay pure decode steps of up to
+    ``max_num_seqs`` sequences as graphs (needs a varlen backend; captured on
+    CUDA, run eagerly with the same padding elsewhere); ``max_model_len`` sets
+    the graphs' block-table width.
+    """
 
     def __init__(self, model: LlamaModel, kv_cache: PagedKVCache, sampler: Sampler,
-                 eos_token_ids: Sequence[int]) -> None:
+                 eos_token_ids: Sequence[int], *, attention: str = "auto",
+                 cuda_graphs: bool = False, max_num_seqs: int = 256,
+                 max_model_len: int | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.sampler = sampler
@@ -52,6 +70,22 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.sliding_window = model.config.sliding_window
+        cfg = model.config
+        model.attn = select_attention(attention, self.device, model.attn, cfg.head_dim ** -0.5,
+                                      cfg.sliding_window)
+        self.varlen = model.attn.uses_varlen
+        if self.varlen:  # the Triton path: the elementwise steps fused too
+            from services.engine.model.triton_layer_ops import TritonLayerOps
+
+            model.ops = TritonLayerOps()
+        self.inputs = VarlenInputs(self.device, self.block_size) if self.varlen else None
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs and self.inputs is not None:
+            positions = max_model_len or cfg.max_position_embeddings
+            self.graphs = DecodeGraphs(self._graph_forward, self.inputs, max_num_seqs,
+                                       -(-positions // self.block_size))
+            with torch.inference_mode():
+                self.graphs.capture_all()
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq],
@@ -72,10 +106,12 @@ class ModelRunner:
         sample_rows: list[int] = []
         rows: list[_Row] = []
         groups: tuple[list, list, list] = ([], [], [])
+        entries: list[Entry] = []  # every item in flat order (varlen)
         for i in order:
             item = scheduled[i]
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_scheduled_tokens
-            groups[kind[i]].append((len(ids), start, n, seq.block_ids))
+            entries.append((len(ids), start, n, seq.block_ids))
+            groups[kind[i]].append(entries[-1])
             ids.extend(seq.token_slice(start, start + item.num_new_tokens))
             ids.extend(item.draft_token_ids)
             positions.extend(range(start, start + n))
@@ -89,18 +125,14 @@ class ModelRunner:
             elif item.samples:
                 sample_rows.append(len(ids) - 1)
                 rows.append(_Row(i, seq, ()))
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            groups=[g for g in map(self._group, groups) if g is not None])
-        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
-                            torch.tensor(positions, dtype=torch.long, device=dev),
-                            self.kv_cache.kv, meta, on_layer_done)
         results: list[list[SampledToken] | None] = [None] * len(scheduled)
-        if not sample_rows:
+        if self.varlen:
+            logits = self._varlen_logits(entries, ids, positions, slots, sample_rows,
+                                         on_layer_done)
+        else:
+            logits = self._group_logits(groups, ids, positions, slots, sample_rows, on_layer_done)
+        if logits is None:
             return results
-        index = torch.tensor(sample_rows, dtype=torch.long, device=dev)
-        logits = self.model.compute_logits(hidden[index])  # [R, V]
         for row, tok in zip(rows, self._sample(logits, rows)):
             out = results[row.item]
             if out is None:
@@ -113,6 +145,44 @@ class ModelRunner:
                 n = accepted_length([t.token_id for t in samples], item.draft_token_ids)
                 results[i] = samples[:n]
         return results
+
+    def _group_logits(self, groups: tuple[list, list, list], ids: list[int],
+                      positions: list[int], slots: list[int], sample_rows: list[int],
+                      on_layer_done: Callable[[int], None] | None) -> torch.Tensor | None:
+        """The torch backend's step: padded attention groups; logits ``[R, V]`` or None."""
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            groups=[g for g in map(self._group, groups) if g is not None])
+        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
+                            torch.tensor(positions, dtype=torch.long, device=dev),
+                            self.kv_cache.kv, meta, on_layer_done)
+        if not sample_rows:
+            return None
+        index = torch.tensor(sample_rows, dtype=torch.long, device=dev)
+        return self.model.compute_logits(hidden[index])  # [R, V]
+
+    def _varlen_logits(self, entries: list[Entry], ids: list[int], positions: list[int],
+                       slots: list[int], sample_rows: list[int],
+                       on_layer_done: Callable[[int], None] | None) -> torch.Tensor | None:
+        """A varlen backend's step: a graph replay for a pure decode step, else one eager
+        pass over inputs copied in once; logits ``[R, V]`` or None."""
+        g = self.graphs
+        if g is not None and on_layer_done is None and len(ids) == len(entries) \
+                and len(sample_rows) == len(ids) and len(entries) <= g.max_batch:
+            return g.run(entries, ids, positions, slots)
+        max_query_len = max((e[2] for e in entries), default=0)
+        step = self.inputs.build(entries, ids, positions, slots, sample_rows, max_query_len)
+        hidden = self.model(step.input_ids, step.positions, self.kv_cache.kv, step.meta,
+                            on_layer_done)
+        if not sample_rows:
+            return None
+        return self.model.compute_logits(hidden[step.sample_index])
+
+    def _graph_forward(self, step: StepTensors) -> torch.Tensor:
+        """A decode step on static tensors, every row sampling: logits ``[bucket, V]``."""
+        hidden = self.model(step.input_ids, step.positions, self.kv_cache.kv, step.meta)
+        return self.model.compute_logits(hidden[step.sample_index])
 
     def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> list[SampledToken]:
         """One token per row of ``logits`` [R, V], each row sampled as a plain decode

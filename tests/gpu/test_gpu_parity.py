@@ -1,5 +1,7 @@
-"""The CPU parity anchor repeated on CUDA (fp32 token-identical to HF, bf16 first tokens),
-and a batch-1 decode-step timing of the ``bench`` preset against the H200's memory floor.
+"""The CPU parity anchor repeated on CUDA (fp32 token-identical to HF, bf16 first tokens)
+with both attention backends (Triton, the default on CUDA, and torch), the Triton kernel
+against a float64 reference, CUDA graphs against eager steps, and a batch-1 decode-step
+timing of the ``bench`` preset against the H200's memory floor.
 
 Run on a GPU machine with ``pytest -m gpu -s tests/gpu`` (``-s`` shows the timing table).
 """
@@ -37,14 +39,15 @@ def checkpoint(request, tmp_path_factory, tiny_model_dir):
     return path, reference
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("variant", [
     dict(),
     dict(max_num_batched_tokens=24),
     dict(num_blocks=14, block_size=8, max_num_batched_tokens=64),
 ], ids=["batched", "chunked", "preempting"])
-def test_fp32_greedy_matches_transformers_on_cuda(checkpoint, variant):
+def test_fp32_greedy_matches_transformers_on_cuda(checkpoint, variant, backend):
     path, reference = checkpoint
-    llm = LLM(str(path), device=DEVICE, dtype="float32", **variant)
+    llm = LLM(str(path), device=DEVICE, dtype="float32", attention_backend=backend, **variant)
     assert llm.engine.kv_cache.kv.device.type == "cuda"
     assert {p.device.type for p in llm.engine.runner.model.parameters()} == {"cuda"}
     outputs = llm.generate(_prompts(), GREEDY)
@@ -80,6 +83,37 @@ def test_bf16_first_tokens_match_transformers_on_cuda(checkpoint, capsys):
         print(f"\n[{path.parent.name}] bf16 cuda: leading tokens agreeing with HF bf16 "
               f"(of 3): {agree_prefix}")
     assert sum(a == 3 for a in agree_prefix) >= len(prompts) * 3 // 4
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 5e-2)])
+@pytest.mark.parametrize("window", [None, 37])
+def test_triton_kernel_matches_reference_on_cuda(dtype, tol, window):
+    from services.bench.gpucheck.kernel_check import MIXED_BATCH, random_batch, reference_attention
+    from services.engine.model import triton_kernels
+
+    torch.manual_seed(0)
+    table, starts, ctx = random_batch(MIXED_BATCH, 16, 64, torch.device(DEVICE))
+    kc = torch.randn(64, 16, 2, 64, device=DEVICE).to(dtype)
+    vc = torch.randn(64, 16, 2, 64, device=DEVICE).to(dtype)
+    q = torch.randn(int(starts[-1]), 8, 64, device=DEVICE).to(dtype)
+    out = torch.full_like(q, float("nan"))
+    triton_kernels.paged_attention(q, out, kc, vc, table, starts, ctx,
+                                   max(n for n, _ in MIXED_BATCH), 0.125, window)
+    ref = reference_attention(q, kc, vc, table, starts, ctx, 0.125, window)
+    assert float((out.float() - ref.float()).abs().max()) <= tol
+
+
+def test_cuda_graphs_replay_the_eager_tokens(checkpoint):
+    path, _ = checkpoint
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    outs = {}
+    for graphs in (True, False):
+        llm = LLM(str(path), device=DEVICE, dtype="float32", cuda_graphs=graphs, max_num_seqs=8)
+        assert (llm.engine.runner.graphs is not None) == graphs
+        outs[graphs] = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params)]
+        if graphs:
+            assert llm.engine.runner.graphs.replays > 0
+    assert outs[True] == outs[False]
 
 
 def test_auto_dtype_on_cuda_is_the_checkpoint_dtype(tmp_path, tiny_model_dir):

@@ -1,15 +1,17 @@
 """Attention over the paged KV cache.
 
-``AttentionBackend`` is the seam where a GPU kernel (FlashInfer, flash-attn)
-can plug in; ``TorchPagedAttention`` is the portable torch implementation
-(SDPA on CPU and CUDA), which hands decode groups to the native CPU kernel
-(``cpu_kernels.py``, reading blocks in place) when one is loaded. The runner
-builds ``AttentionMetadata`` once per step and every layer reuses it.
+``AttentionBackend`` is the seam where a kernel plugs in. ``TorchPagedAttention``
+is the portable torch implementation (SDPA over gathered blocks, the CPU path),
+which hands decode groups to the native CPU kernel (``cpu_kernels.py``, reading
+blocks in place) when one is loaded; ``TritonPagedAttention``
+(``triton_attention.py``) is the CUDA path, reading blocks in place for every
+step kind. The runner builds ``AttentionMetadata`` once per step, in the form
+the backend asks for (``uses_varlen``), and every layer reuses it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -34,12 +36,35 @@ class AttentionGroup:
 
 
 @dataclass
+class VarlenBatch:
+    """Every sequence of the step as one varlen batch, for kernels reading blocks in place.
+
+    B sequences; sequence ``b`` owns the flat query rows
+    ``query_start[b] : query_start[b + 1]``, which are the last of its
+    ``context_len[b]`` positions. Padding rows of a CUDA graph are sequences with
+    one query row and no context.
+    """
+
+    query_start: torch.Tensor  # [B + 1] int64 prefix sums of query lengths
+    context_len: torch.Tensor  # [B] int64: keys in the cache after this step's writes
+    block_table: torch.Tensor  # [B, max_blocks] int64 (padding -> block 0)
+    max_query_len: int  # host int: sizes the kernel grid
+
+
+@dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] long: cache slot (block * block_size + offset) of each token
-    groups: list[AttentionGroup]
+    # [T] long: cache slot (block * block_size + offset) of each token; -1 (varlen
+    # only): a padding row whose K/V is not written
+    slot_mapping: torch.Tensor
+    groups: list[AttentionGroup] = field(default_factory=list)  # backends without uses_varlen
+    varlen: VarlenBatch | None = None  # backends with uses_varlen
 
 
 class AttentionBackend(Protocol):
+    # True: attends from ``meta.varlen`` (the runner builds no groups); False: from
+    # ``meta.groups``.
+    uses_varlen: bool
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
@@ -55,6 +80,8 @@ class TorchPagedAttention:
     With ``kernels`` (fp32 on CPU), decode groups skip the gather: the native
     kernel reads each sequence's blocks where they lie.
     """
+
+    uses_varlen = False
 
     def __init__(self, scale: float, sliding_window: int | None = None,
                  kernels: CpuKernels | None = None) -> None:
