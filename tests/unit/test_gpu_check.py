@@ -52,10 +52,12 @@ def test_dry_run_runs_every_section_on_cpu_and_prints_one_table():
     for section in ("device", "floor: HBM bandwidth", "floor: matmul peak",
                     "engine fp32 vs transformers", "engine fp16 vs transformers",
                     "cuda graphs vs eager tokens", "decode b1 vs HBM floor",
-                    "kv transfer", "stream ordering probe"):
+                    "kv transfer: one device", "stream ordering probe"):
         assert section in rows, f"{section!r} missing from\n{table}"
     assert rows["engine fp32 vs transformers"] == "PASS"
     assert rows["cuda graphs vs eager tokens"] == "PASS"
+    assert rows["kv transfer: one device"] == "DRY"  # both ends moved the cache, intact
+    assert rows["kv transfer: two devices"] == "SKIP"
     assert any(name.startswith("kernel float32") and status == "PASS"
                for name, status in rows.items())
     assert any(name.startswith("prefill") for name in rows)
@@ -78,33 +80,22 @@ def test_verdicts():
     assert report.exit_code([Result("e", Status.DRY, "")]) == report.NOTHING_PASSED
 
 
-def test_transfer_slot_says_not_available_without_the_entry_point(monkeypatch):
-    def missing(name):
-        raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+def test_transfer_rows_fail_on_an_error_or_a_corrupted_block(monkeypatch):
+    from services.transfer import pair_check
 
-    monkeypatch.setattr(transfer_checks.importlib, "import_module", missing)
-    [(name, fn)] = transfer_checks.transfer_sections()
-    [row] = fn(None)
-    assert row.status == Status.SKIP and "not available" in row.result
-
-
-def test_transfer_slot_fails_when_the_entry_point_needs_what_is_missing(monkeypatch):
-    def needs_ray(name):
-        raise ModuleNotFoundError("No module named 'ray'", name="ray")
-
-    monkeypatch.setattr(transfer_checks.importlib, "import_module", needs_ray)
-    [(_, fn)] = transfer_checks.transfer_sections()
-    [row] = fn(None)
-    assert row.status == Status.FAIL and "ray" in row.result
-
-
-def test_transfer_slot_runs_the_entry_points_sections(monkeypatch):
-    module = types.SimpleNamespace(sections=lambda: [
-        ("nccl pair", lambda ctx: [Result("kv transfer: nccl", Status.PASS, "moved")])])
-    monkeypatch.setattr(transfer_checks.importlib, "import_module", lambda name: module)
-    [(name, fn)] = transfer_checks.transfer_sections()
-    assert name == "nccl pair" and fn(None)[0].status == Status.PASS
-
+    ctx = types.SimpleNamespace(dry_run=False, device="cuda:0")
+    broken = pair_check.PairCheckResult("ipc", 0, [], False, "rank 1: TimeoutError: no header")
+    monkeypatch.setattr(pair_check, "check_pair", lambda *a, **k: broken)
+    [row] = transfer_checks.check_same_device(ctx)
+    assert row.status == Status.FAIL and "no header" in row.result
+    corrupted = pair_check.PairCheckResult("ipc", 1 << 20, [0.001], False)
+    monkeypatch.setattr(pair_check, "check_pair", lambda *a, **k: corrupted)
+    [row] = transfer_checks.check_same_device(ctx)
+    assert row.status == Status.FAIL and "corrupted" in row.result
+    intact = pair_check.PairCheckResult("ipc", 1 << 20, [0.001], True)
+    monkeypatch.setattr(pair_check, "check_pair", lambda *a, **k: intact)
+    [row] = transfer_checks.check_same_device(ctx)
+    assert row.status == Status.PASS and "GB/s" in row.figure
 
 def test_table_lines_up():
     text = report.table([Result("x", Status.PASS, "ok", "1 ms", ">= 1")], header="h")

@@ -5,7 +5,7 @@ on ``PYTHONPATH``; no Ray, no FastAPI, no network, nothing installed. It checks
 the engine on CUDA against transformers (fp32 token-exact; bf16 greedy
 agreement and logprob closeness), the Triton attention kernel against a
 reference, the memory-sized KV cache, CUDA graphs on against off, the KV
-transfer sections (``services.transfer.device_check`` when that exists), a
+transfer between two processes (CUDA IPC on one GPU, NCCL on two), a
 stream-ordering probe, and the speed figures against floors measured in the
 same run (decode step vs the HBM floor of a device-to-device copy, prefill vs
 the bf16 peak of a large matmul). It prints one table and exits non-zero on a

@@ -46,7 +46,7 @@ def sections() -> list[Section]:
         ("engine fp32", check_fp32),
         ("engine bf16", check_bf16),
         ("kv sizing", check_kv_sizing),
-        *transfer_sections(),  # the KV transfer path's own sections (slot)
+        *transfer_sections(),
         ("streams", check_streams),
         ("decode", check_decode),
         ("prefill", check_prefill),
