@@ -16,7 +16,8 @@ import ray
 
 from services.common.config import ClusterConfig
 from services.common.sampling_params import SamplingParams
-from services.cluster import attach
+from services.cluster import attach, drain, placement
+from services.cluster.drain import DRAIN_TIMEOUT_S, DrainReport
 from services.cluster.handles import RayDecode, RayPrefill, is_transient
 from services.cluster.ray_start import RayRuntime
 from services.decode.worker import DecodeWorker
@@ -45,6 +46,7 @@ class Cluster:
         self.config = config
         self.deployment = deployment
         self.reattached: list[str] = []
+        self.placement: dict[str, placement.NodePlacement] = {}  # worker id -> its Ray node
         self._progress = progress
         self.prefill: list[RayPrefill] = []
         self.decode: list[RayDecode] = []
@@ -58,6 +60,7 @@ class Cluster:
         self.replacements = 0
         self.rebuilds = 0
         self._serving = threading.Event()  # cleared while the transfer group is rebuilt
+        self._membership = threading.RLock()  # one drain (or heal) changes the pools at a time
         self._serving.set()
 
     # -- lifecycle --------------------------------------------------------------
@@ -85,6 +88,7 @@ class Cluster:
             DecodeWorker, f"decode-{i}"), f"decode-{i}", role, rank=n_prefill + i)
             for i in range(n_decode)]
         ray.get([w.actor.ready.remote() for w in self.prefill + self.decode], timeout=timeout_s)
+        self._locate(self.prefill + self.decode, timeout_s)
         if self.deployment:
             attach.claim_new(self, [w for w in self.prefill + self.decode
                                     if w.worker_id not in attached], timeout_s)
@@ -133,6 +137,11 @@ class Cluster:
                 time.sleep(0.2)
         raise RuntimeError(f"the actor name of {worker_id} stays taken")
 
+    def _locate(self, workers: list, timeout_s: float) -> None:
+        """Record (and report) the Ray node each of ``workers`` runs on."""
+        self.placement.update(placement.locate(workers, timeout_s))
+        self._progress("placement: " + placement.describe(workers, self.placement))
+
     def _connect(self, timeout_s: float) -> None:
         """Check every P-D pair's KV layout, then build one transfer group over all of them."""
         pre, dec = self.prefill, self.decode
@@ -141,6 +150,8 @@ class Cluster:
         for p, pc in zip(pre, p_compat):
             for d, dc in zip(dec, d_compat):
                 dc.check(pc, ours=d.worker_id, theirs=p.worker_id)
+        for rank, w in enumerate(pre + dec):  # contiguous again after a worker left
+            w.rank = rank
         backend = self.config.transfer_backend
         if backend == "auto":
             backend = "nccl" if self.config.engine.device.startswith("cuda") else "gloo"
@@ -182,11 +193,13 @@ class Cluster:
         what += [f"rebuilding the transfer group ({', '.join(w.worker_id for w in broken)}: "
                  "channel broken)"] if broken else []
         self._progress("; ".join(what))
-        self._serving.clear()
-        try:
-            self._replace(dead, timeout_s)
-        finally:
-            self._serving.set()
+        with self._membership:
+            dead = [w for w in dead if w in self.prefill + self.decode]  # not drained meanwhile
+            self._serving.clear()
+            try:
+                self._replace(dead, timeout_s)
+            finally:
+                self._serving.set()
         return [w.worker_id for w in dead]
 
     def _replace(self, dead: list, timeout_s: float) -> None:
@@ -195,6 +208,7 @@ class Cluster:
                 ray.kill(w.actor, no_restart=True)
             w.actor = self._actor(PrefillWorker if w in self.prefill else DecodeWorker, w.worker_id)
         ray.get([w.actor.ready.remote() for w in dead], timeout=timeout_s)
+        self._locate(dead, timeout_s)
         if self.config.mode != "colocated":
             live = [w for w in self.prefill + self.decode if w not in dead]
             ray.get([w.actor.leave_transfer_group.remote() for w in live], timeout=timeout_s)
@@ -203,6 +217,11 @@ class Cluster:
             self.router.add_worker(w)  # same id: revives it in the router
         self.replacements += len(dead)
         self.rebuilds += 1
+
+    def drain_worker(self, worker_id: str, timeout_s: float = DRAIN_TIMEOUT_S) -> DrainReport:
+        """Take a worker out of the cluster without cutting a stream (a scale-down): see
+        ``services.cluster.drain``."""
+        return drain.drain_worker(self, worker_id, timeout_s)
 
     def shutdown(self, kill_workers: bool | None = None) -> None:
         """Stop; the workers are killed unless they belong to a deployment (detached:

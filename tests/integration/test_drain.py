@@ -1,0 +1,122 @@
+"""Scale-down drains first: a decode worker taken out while streams run on it (real Ray
+actors, gloo transfers). No stream is cut: every one completes token-identical to the
+offline engine, finished in place (drain timeout long enough) or re-driven on the other
+decode worker (drain timeout 0); the router places no new request on the worker from the
+moment the drain starts; its actor exits; the cluster serves on with the workers left."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import ray
+
+from services.common.sampling_params import SamplingParams
+from services.engine import LLM
+from tests.hf_models import VOCAB
+from tests.integration.test_cluster import _config, wait_all_free
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+NUM_STREAMS = 6
+NUM_LATE = 3
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(16)
+    return [[rng.randrange(2, VOCAB) for _ in range(rng.randrange(5, 40))]
+            for _ in range(NUM_STREAMS + NUM_LATE)]
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint, prompts):
+    return [o.outputs[0].token_ids for o in LLM(checkpoint).generate(prompts, PARAMS)]
+
+
+def _record_requests(handle) -> list[str]:
+    """Every request id the gateway sends to ``handle`` (reserve or local decode)."""
+    seen: list[str] = []
+    reserve, decode = handle.reserve, handle.decode
+
+    async def recording_reserve(request_id, *args, **kw):
+        seen.append(request_id)
+        return await reserve(request_id, *args, **kw)
+
+    def recording_decode(req):
+        seen.append(req.request_id)
+        return decode(req)
+
+    handle.reserve, handle.decode = recording_reserve, recording_decode
+    return seen
+
+
+async def _drain_while_streaming(cluster, prompts, drain_timeout_s):
+    """Start the streams; once every one has tokens, drain the decode worker with the
+    most of them, and send more requests while it drains. Returns (outputs, victim,
+    report, ids the victim got)."""
+    got: dict[str, list[int]] = {}
+    started = asyncio.Event()
+
+    async def one(rid, prompt):
+        tokens = got.setdefault(rid, [])
+        async for delta in cluster.generate(prompt, PARAMS, request_id=rid):
+            tokens += delta.token_ids
+            if len(got) == NUM_STREAMS and all(len(t) >= 2 for t in got.values()):
+                started.set()
+        return tokens
+
+    streams = [asyncio.ensure_future(one(f"s{i}", p))
+               for i, p in enumerate(prompts[:NUM_STREAMS])]
+    await started.wait()
+    victim = max(cluster.decode, key=lambda w: len(w.active))
+    assert victim.active, "no stream runs on the decode workers"
+    seen = _record_requests(victim)
+    drain = asyncio.ensure_future(asyncio.to_thread(cluster.drain_worker, victim.worker_id,
+                                                    drain_timeout_s))
+    while victim.worker_id in cluster.router.workers:
+        await asyncio.sleep(0.01)
+    late = [one(f"late{i}", p) for i, p in enumerate(prompts[NUM_STREAMS:])]
+    outputs = await asyncio.gather(*streams, *late)
+    return outputs, victim, await drain, seen
+
+
+def test_drained_decode_workers_cut_no_stream(ray_session, checkpoint, prompts, reference):
+    """Two drains on one cluster of three decode workers: the first lets the streams
+    finish in place, the second (timeout 0) re-drives them; then one worker is left."""
+    from services.cluster.cluster import Cluster
+
+    cluster = Cluster(_config(checkpoint, prefill_workers=1, decode_workers=3)).start()
+    try:
+        for drain_timeout_s in (60.0, 0.0):
+            redrives_before = cluster.driver.num_redrives
+            outputs, victim, report, seen = asyncio.run(
+                _drain_while_streaming(cluster, prompts, drain_timeout_s))
+            assert outputs == reference  # every stream complete, none cut, none diverged
+            assert not any(rid.startswith("late") for rid in seen), seen  # none placed there
+            assert report.worker_id == victim.worker_id
+            redrives = cluster.driver.num_redrives - redrives_before
+            if drain_timeout_s:
+                assert report.idle and report.redriven == 0 and redrives == 0
+            else:
+                assert not report.idle and report.redriven >= 1 and redrives >= report.redriven
+            # the actor is gone; the cluster serves on with the workers left
+            with pytest.raises(ray.exceptions.RayActorError):
+                ray.get(victim.actor.ready.remote(), timeout=60)
+            assert victim not in cluster.decode
+            assert victim.worker_id not in cluster.router.workers
+            assert victim.worker_id not in cluster.placement
+            assert cluster.rebuilds == 0 and cluster.replacements == 0
+            for stats in wait_all_free(cluster):
+                assert stats["alive"] and stats["free_blocks"] == stats["total_blocks"]
+            assert cluster.router.pending_summary()["requests"] == 0
+        # the last decode worker cannot go; an unknown one is named as such
+        assert len(cluster.decode) == 1
+        with pytest.raises(ValueError, match="last decode worker"):
+            cluster.drain_worker(cluster.decode[0].worker_id)
+        with pytest.raises(KeyError, match="no worker 'decode-9'"):
+            cluster.drain_worker("decode-9")
+        with pytest.raises(ValueError, match="timeout_s"):
+            cluster.drain_worker(cluster.prefill[0].worker_id, -1)
+    finally:
+        cluster.shutdown()
