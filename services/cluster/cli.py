@@ -90,6 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
     chat_cmd.add_arguments(chat)
     chat.set_defaults(func=chat_cmd.main)
 
+    from services.cluster import drain_command
+
+    drain = sub.add_parser("drain", help="take workers out of a running cluster without "
+                           "cutting a stream (scale-down)")
+    drain_command.add_arguments(drain)
+    drain.set_defaults(func=drain_command.main)
+
     mk = sub.add_parser("make-model", help="write a seeded random checkpoint")
     mk.add_argument("--preset", default="small", choices=["tiny", "small", "bench"])
     mk.add_argument("--out", required=True)

@@ -16,7 +16,7 @@ import ray
 
 from services.common.config import ClusterConfig
 from services.common.sampling_params import SamplingParams
-from services.cluster import attach, drain, placement
+from services.cluster import attach, control, drain, placement
 from services.cluster.drain import DRAIN_TIMEOUT_S, DrainReport
 from services.cluster.handles import RayDecode, RayPrefill, is_transient
 from services.cluster.ray_start import RayRuntime
@@ -47,6 +47,8 @@ class Cluster:
         self.deployment = deployment
         self.reattached: list[str] = []
         self.placement: dict[str, placement.NodePlacement] = {}  # worker id -> its Ray node
+        self.control_name = control.name_of(deployment)  # where `tandem drain` finds it
+        self._control: control.ControlWatcher | None = None
         self._progress = progress
         self.prefill: list[RayPrefill] = []
         self.decode: list[RayDecode] = []
@@ -107,6 +109,8 @@ class Cluster:
         self._start_refresher()
         if not self._first_refresh.wait(timeout_s):
             raise TimeoutError(f"no worker loads within {timeout_s:g}s")
+        self.publish_placement()
+        self._control = control.ControlWatcher(self.control_name, self.drain_worker).start()
         self._progress("cluster ready")
         return self
 
@@ -141,6 +145,15 @@ class Cluster:
         """Record (and report) the Ray node each of ``workers`` runs on."""
         self.placement.update(placement.locate(workers, timeout_s))
         self._progress("placement: " + placement.describe(workers, self.placement))
+
+    def publish_placement(self) -> None:
+        """Keep the workers' nodes where ``tandem drain --this-node`` looks (best effort)."""
+        nodes = {w.worker_id: self.placement[w.worker_id].node_id
+                 for w in self.prefill + self.decode if w.worker_id in self.placement}
+        try:
+            control.publish_nodes(self.control_name, nodes)
+        except Exception:  # noqa: BLE001 - only node-wide drains need it
+            log.warning("publishing the workers' nodes failed", exc_info=True)
 
     def _connect(self, timeout_s: float) -> None:
         """Check every P-D pair's KV layout, then build one transfer group over all of them."""
@@ -213,6 +226,8 @@ class Cluster:
             live = [w for w in self.prefill + self.decode if w not in dead]
             ray.get([w.actor.leave_transfer_group.remote() for w in live], timeout=timeout_s)
             self._connect(timeout_s)
+        if dead and self._control is not None:
+            self.publish_placement()
         for w in dead:
             self.router.add_worker(w)  # same id: revives it in the router
         self.replacements += len(dead)
@@ -227,6 +242,11 @@ class Cluster:
         """Stop; the workers are killed unless they belong to a deployment (detached:
         a restarted gateway re-attaches to them), or as ``kill_workers`` says."""
         self._stop_refresher()
+        if self._control is not None:
+            self._control.stop()
+            self._control = None
+            self.placement = {}
+            self.publish_placement()  # forgets them all
         if kill_workers is None:
             kill_workers = self.deployment is None
         for w in self.prefill + self.decode:

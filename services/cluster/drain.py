@@ -76,6 +76,7 @@ def drain_worker(cluster: Cluster, worker_id: str,
         else:
             cluster.decode = [w for w in cluster.decode if w is not worker]
         cluster.placement.pop(worker_id, None)
+        cluster.publish_placement()
     idle = _wait_idle(worker, t0 + timeout_s)
     left = len(getattr(worker, "active", ()))  # re-driven when the actor goes
     with cluster._membership:

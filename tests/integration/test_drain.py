@@ -2,12 +2,15 @@
 actors, gloo transfers). No stream is cut: every one completes token-identical to the
 offline engine, finished in place (drain timeout long enough) or re-driven on the other
 decode worker (drain timeout 0); the router places no new request on the worker from the
-moment the drain starts; its actor exits; the cluster serves on with the workers left."""
+moment the drain starts; its actor exits; the cluster serves on with the workers left.
+The second drain goes the way of `tandem drain`: a request through the Ray cluster's
+key-value store, answered by the gateway."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 import ray
@@ -51,7 +54,21 @@ def _record_requests(handle) -> list[str]:
     return seen
 
 
-async def _drain_while_streaming(cluster, prompts, drain_timeout_s):
+def _drain_through_ray(cluster):
+    """``drain_worker`` as `tandem drain WORKER` does it (through Ray, to the gateway)."""
+    from services.cluster import control
+    from services.cluster.drain import DrainReport
+
+    def drain(worker_id: str, timeout_s: float) -> DrainReport:
+        targets = control.find_workers([worker_id], name=cluster.control_name)
+        control.request_drain(targets, timeout_s)
+        outcome = control.wait_drained(targets, time.monotonic() + 120)[worker_id]
+        assert "error" not in outcome, outcome
+        return DrainReport(worker_id, outcome["idle"], outcome["redriven"], outcome["seconds"])
+    return drain
+
+
+async def _drain_while_streaming(cluster, prompts, drain_timeout_s, drain):
     """Start the streams; once every one has tokens, drain the decode worker with the
     most of them, and send more requests while it drains. Returns (outputs, victim,
     report, ids the victim got)."""
@@ -72,8 +89,7 @@ async def _drain_while_streaming(cluster, prompts, drain_timeout_s):
     victim = max(cluster.decode, key=lambda w: len(w.active))
     assert victim.active, "no stream runs on the decode workers"
     seen = _record_requests(victim)
-    drain = asyncio.ensure_future(asyncio.to_thread(cluster.drain_worker, victim.worker_id,
-                                                    drain_timeout_s))
+    drain = asyncio.ensure_future(asyncio.to_thread(drain, victim.worker_id, drain_timeout_s))
     while victim.worker_id in cluster.router.workers:
         await asyncio.sleep(0.01)
     late = [one(f"late{i}", p) for i, p in enumerate(prompts[NUM_STREAMS:])]
@@ -82,16 +98,22 @@ async def _drain_while_streaming(cluster, prompts, drain_timeout_s):
 
 
 def test_drained_decode_workers_cut_no_stream(ray_session, checkpoint, prompts, reference):
-    """Two drains on one cluster of three decode workers: the first lets the streams
-    finish in place, the second (timeout 0) re-drives them; then one worker is left."""
+    """Two drains on one cluster of three decode workers: the first (a cluster call)
+    lets the streams finish in place, the second (timeout 0, requested through Ray)
+    re-drives them; then one worker is left."""
+    from services.cluster import control
     from services.cluster.cluster import Cluster
 
     cluster = Cluster(_config(checkpoint, prefill_workers=1, decode_workers=3)).start()
     try:
-        for drain_timeout_s in (60.0, 0.0):
+        node = cluster.placement["decode-0"].node_id  # one node here: every worker's
+        on_node = {w for _, w in control.find_workers(node_id=node, name=cluster.control_name)}
+        assert on_node == {"prefill-0", "decode-0", "decode-1", "decode-2"}
+        for drain_timeout_s, drain in ((60.0, cluster.drain_worker),
+                                       (0.0, _drain_through_ray(cluster))):
             redrives_before = cluster.driver.num_redrives
             outputs, victim, report, seen = asyncio.run(
-                _drain_while_streaming(cluster, prompts, drain_timeout_s))
+                _drain_while_streaming(cluster, prompts, drain_timeout_s, drain))
             assert outputs == reference  # every stream complete, none cut, none diverged
             assert not any(rid.startswith("late") for rid in seen), seen  # none placed there
             assert report.worker_id == victim.worker_id
@@ -106,6 +128,8 @@ def test_drained_decode_workers_cut_no_stream(ray_session, checkpoint, prompts, 
             assert victim not in cluster.decode
             assert victim.worker_id not in cluster.router.workers
             assert victim.worker_id not in cluster.placement
+            assert victim.worker_id not in {
+                w for _, w in control.find_workers(node_id=node, name=cluster.control_name)}
             assert cluster.rebuilds == 0 and cluster.replacements == 0
             for stats in wait_all_free(cluster):
                 assert stats["alive"] and stats["free_blocks"] == stats["total_blocks"]
@@ -116,6 +140,12 @@ def test_drained_decode_workers_cut_no_stream(ray_session, checkpoint, prompts, 
             cluster.drain_worker(cluster.decode[0].worker_id)
         with pytest.raises(KeyError, match="no worker 'decode-9'"):
             cluster.drain_worker("decode-9")
+        with pytest.raises(ValueError, match="no running gateway has a worker 'decode-9'"):
+            control.find_workers(["decode-9"], name=cluster.control_name)
+        last = control.find_workers([cluster.decode[0].worker_id], name=cluster.control_name)
+        control.request_drain(last, 10)
+        outcome = control.wait_drained(last, time.monotonic() + 60)
+        assert "last decode worker" in outcome[cluster.decode[0].worker_id]["error"]
         with pytest.raises(ValueError, match="timeout_s"):
             cluster.drain_worker(cluster.prefill[0].worker_id, -1)
     finally:
