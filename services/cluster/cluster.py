@@ -16,7 +16,7 @@ import ray
 
 from services.common.config import ClusterConfig
 from services.common.sampling_params import SamplingParams
-from services.cluster import attach, control, drain, placement
+from services.cluster import attach, control, drain, placement, scale
 from services.cluster.drain import DRAIN_TIMEOUT_S, DrainReport
 from services.cluster.handles import RayDecode, RayPrefill, is_transient
 from services.cluster.ray_start import RayRuntime
@@ -110,7 +110,7 @@ class Cluster:
         if not self._first_refresh.wait(timeout_s):
             raise TimeoutError(f"no worker loads within {timeout_s:g}s")
         self.publish_placement()
-        self._control = control.ControlWatcher(self.control_name, self.drain_worker).start()
+        self._control = control.ControlWatcher(self.control_name, self).start()
         self._progress("cluster ready")
         return self
 
@@ -188,6 +188,23 @@ class Cluster:
         later round. Transfers in flight during the rebuild fail and their requests
         are re-driven once it is done. Returns the ids of the replaced workers.
         """
+        with self._membership:  # checked under the lock: a drain or resize changes the pools
+            dead, broken = self._unhealthy()
+            if not dead and not broken:
+                return []
+            what = [f"replacing {', '.join(w.worker_id for w in dead)}"] if dead else []
+            what += [f"rebuilding the transfer group ({', '.join(w.worker_id for w in broken)}: "
+                     "channel broken)"] if broken else []
+            self._progress("; ".join(what))
+            self._serving.clear()
+            try:
+                self._replace(dead, timeout_s)
+            finally:
+                self._serving.set()
+        return [w.worker_id for w in dead]
+
+    def _unhealthy(self) -> tuple[list, list]:
+        """(dead workers, workers whose transfer channel broke), asked of each worker."""
         dead, broken = [], []
         for w in self.prefill + self.decode:
             try:
@@ -200,20 +217,7 @@ class Cluster:
                 dead.append(w)
             elif load.get("transfer_broken"):
                 broken.append(w)
-        if not dead and not broken:
-            return []
-        what = [f"replacing {', '.join(w.worker_id for w in dead)}"] if dead else []
-        what += [f"rebuilding the transfer group ({', '.join(w.worker_id for w in broken)}: "
-                 "channel broken)"] if broken else []
-        self._progress("; ".join(what))
-        with self._membership:
-            dead = [w for w in dead if w in self.prefill + self.decode]  # not drained meanwhile
-            self._serving.clear()
-            try:
-                self._replace(dead, timeout_s)
-            finally:
-                self._serving.set()
-        return [w.worker_id for w in dead]
+        return dead, broken
 
     def _replace(self, dead: list, timeout_s: float) -> None:
         for w in dead:
@@ -237,6 +241,12 @@ class Cluster:
         """Take a worker out of the cluster without cutting a stream (a scale-down): see
         ``services.cluster.drain``."""
         return drain.drain_worker(self, worker_id, timeout_s)
+
+    def scale(self, role: str, workers: int, timeout_s: float = scale.ADD_TIMEOUT_S,
+              drain_timeout_s: float = DRAIN_TIMEOUT_S) -> scale.ScaleReport:
+        """Resize the ``prefill`` or ``decode`` pool to ``workers``: new workers join once
+        Ray places them, surplus ones are drained (see ``services.cluster.scale``)."""
+        return scale.scale_pool(self, role, workers, timeout_s, drain_timeout_s)
 
     def shutdown(self, kill_workers: bool | None = None) -> None:
         """Stop; the workers are killed unless they belong to a deployment (detached:

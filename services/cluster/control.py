@@ -1,8 +1,9 @@
-"""Drain requests to a running gateway, through the Ray cluster's own key-value store.
+"""Requests to a running gateway, through the Ray cluster's own key-value store.
 
 Whoever can join the Ray cluster (its token, on a secured cluster) can ask the gateway
-to drain workers: ``tandem drain`` writes a request, the gateway's control watcher runs
-``Cluster.drain_worker`` for it and writes the outcome back. No port is opened for it:
+to drain workers or resize a pool: ``tandem drain`` / ``tandem scale`` write a request,
+the gateway's control watcher runs ``Cluster.drain_worker`` / ``Cluster.scale`` for it
+and writes the outcome back. No port is opened for it:
 the keys live in the GCS, in the namespace ``tandem``, under the gateway's name (its
 ``--deployment``, or one of its own, ``gateway-<random>``):
 
@@ -10,6 +11,9 @@ the keys live in the GCS, in the namespace ``tandem``, under the gateway's name 
   current; a pod's pre-stop hook finds the workers on its own node there);
 - ``<name>/drain/<worker id>``: a request, ``{"timeout_s": S}``;
 - ``<name>/drained/<worker id>``: the outcome, ``{"idle", "redriven", "seconds"}`` or
+  ``{"error": message}``;
+- ``<name>/scale/<role>``: a request, ``{"workers": N, "timeout_s", "drain_timeout_s"}``,
+  answered at ``<name>/scaled/<role>``: ``{"workers", "added", "drained"}`` or
   ``{"error": message}``.
 """
 
@@ -25,6 +29,7 @@ from collections.abc import Callable, Iterable
 log = logging.getLogger(__name__)
 NAMESPACE = "tandem"
 POLL_S = 0.5
+ANSWERS = {"drain": "drained", "scale": "scaled"}
 
 
 def name_of(deployment: str | None) -> str:
@@ -73,13 +78,14 @@ def publish_nodes(name: str, nodes: dict[str, str]) -> None:
 
 
 class ControlWatcher:
-    """Runs the drain requests addressed to one gateway (a thread; ``stop()`` ends it)."""
+    """Runs the requests addressed to one gateway's ``cluster`` (a thread; ``stop()``
+    ends it): each in a thread of its own, at most one per key at a time."""
 
-    def __init__(self, name: str, drain: Callable[[str, float], object]) -> None:
+    def __init__(self, name: str, cluster) -> None:
         self.name = name
-        self._drain = drain
+        self.cluster = cluster
         self._stop = threading.Event()
-        self._running: set[str] = set()
+        self._running: set[tuple[str, str]] = set()
         self._thread = threading.Thread(target=self._run, name="tandem-control", daemon=True)
 
     def start(self) -> ControlWatcher:
@@ -93,32 +99,39 @@ class ControlWatcher:
 
     def _run(self) -> None:
         while not self._stop.wait(POLL_S):
-            try:
-                requests = _list(self.name, "drain")
-            except Exception:  # noqa: BLE001 - the GCS is unreachable for now
-                log.warning("reading drain requests failed; will retry", exc_info=True)
-                continue
-            for wid, key in requests.items():
-                if wid not in self._running:
-                    self._running.add(wid)
-                    threading.Thread(target=self._serve, args=(wid, key), daemon=True,
-                                     name=f"tandem-drain-{wid}").start()
+            for kind in ("drain", "scale"):
+                try:
+                    requests = _list(self.name, kind)
+                except Exception:  # noqa: BLE001 - the GCS is unreachable for now
+                    log.warning("reading %s requests failed; will retry", kind, exc_info=True)
+                    continue
+                for subject, key in requests.items():
+                    if (kind, subject) not in self._running:
+                        self._running.add((kind, subject))
+                        threading.Thread(target=self._serve, args=(kind, subject, key),
+                                         daemon=True, name=f"tandem-{kind}-{subject}").start()
 
-    def _serve(self, worker_id: str, key: bytes) -> None:
+    def _handle(self, kind: str, subject: str, request: dict) -> dict:
+        if kind == "drain":
+            r = self.cluster.drain_worker(subject, float(request.get("timeout_s", 30.0)))
+            return {"idle": r.idle, "redriven": r.redriven, "seconds": round(r.seconds, 3)}
+        r = self.cluster.scale(subject, int(request["workers"]),
+                               float(request.get("timeout_s", 600.0)),
+                               float(request.get("drain_timeout_s", 30.0)))
+        return {"workers": r.workers, "added": list(r.added), "drained": list(r.drained)}
+
+    def _serve(self, kind: str, subject: str, key: bytes) -> None:
         try:
-            request = _get(key) or {}
-            report = self._drain(worker_id, float(request.get("timeout_s", 30.0)))
-            outcome = {"idle": report.idle, "redriven": report.redriven,
-                       "seconds": round(report.seconds, 3)}
+            outcome = self._handle(kind, subject, _get(key) or {})
         except Exception as e:  # noqa: BLE001 - told to the requester
             outcome = {"error": f"{type(e).__name__}: {e}"}
         try:
-            _put(_key(self.name, "drained", worker_id), outcome)
+            _put(_key(self.name, ANSWERS[kind], subject), outcome)
             _delete(key)
         except Exception:  # noqa: BLE001
-            log.exception("answering the drain request for %s failed", worker_id)
+            log.exception("answering the %s request for %s failed", kind, subject)
         finally:
-            self._running.discard(worker_id)
+            self._running.discard((kind, subject))
 
 
 # -- the requester's side (``tandem drain``) ---------------------------------------------
@@ -150,27 +163,48 @@ def find_workers(worker_ids: Iterable[str] = (), node_id: str | None = None,
     return out
 
 
+def request(kind: str, targets: Iterable[tuple[str, str]], body: dict) -> None:
+    """Ask gateways for ``kind`` (``drain``: subject a worker id; ``scale``: a pool role)
+    of ``(gateway name, subject)`` targets."""
+    for name, subject in targets:
+        _delete(_key(name, ANSWERS[kind], subject))
+        _put(_key(name, kind, subject), body)
+
+
 def request_drain(targets: Iterable[tuple[str, str]], timeout_s: float) -> None:
     """Ask the gateways to drain ``(gateway name, worker id)`` targets."""
-    for name, wid in targets:
-        _delete(_key(name, "drained", wid))
-        _put(_key(name, "drain", wid), {"timeout_s": timeout_s})
+    request("drain", targets, {"timeout_s": timeout_s})
 
 
-def wait_drained(targets: Iterable[tuple[str, str]], deadline: float) -> dict[str, dict]:
-    """``{worker id: outcome}`` as the answers arrive, until ``deadline`` (monotonic);
+def wait_answers(kind: str, targets: Iterable[tuple[str, str]],
+                 deadline: float) -> dict[str, dict]:
+    """``{subject: outcome}`` as the answers arrive, until ``deadline`` (monotonic);
     a request without an answer by then reads ``{"error": "no answer ..."}``."""
     pending, out = set(targets), {}
     while pending:
-        for name, wid in sorted(pending):
-            outcome = _get(_key(name, "drained", wid))
+        for name, subject in sorted(pending):
+            outcome = _get(_key(name, ANSWERS[kind], subject))
             if outcome is not None:
-                out[wid] = outcome
-                pending.discard((name, wid))
+                out[subject] = outcome
+                pending.discard((name, subject))
         if not pending or time.monotonic() >= deadline:
             break
         time.sleep(POLL_S)
-    for name, wid in pending:
-        _delete(_key(name, "drain", wid))  # not left for a gateway that starts later
-        out[wid] = {"error": f"no answer from gateway {name!r} in time (is it running?)"}
+    for name, subject in pending:
+        _delete(_key(name, kind, subject))  # not left for a gateway that starts later
+        out[subject] = {"error": f"no answer from gateway {name!r} in time (is it running?)"}
     return out
+
+
+def wait_drained(targets: Iterable[tuple[str, str]], deadline: float) -> dict[str, dict]:
+    return wait_answers("drain", targets, deadline)
+
+
+def gateway_names() -> list[str]:
+    """The names of the running gateways (those that published their workers' nodes)."""
+    names = set()
+    for key in _kv()._internal_kv_list(b"", namespace=NAMESPACE):
+        parts = key.decode().split("/", 2)
+        if len(parts) == 3 and parts[1] == "node":
+            names.add(parts[0])
+    return sorted(names)

@@ -54,6 +54,12 @@ def _record_requests(handle) -> list[str]:
     return seen
 
 
+async def _run(cluster, prompts):
+    async def one(prompt):
+        return [t async for d in cluster.generate(prompt, PARAMS) for t in d.token_ids]
+    return await asyncio.gather(*(one(p) for p in prompts))
+
+
 def _drain_through_ray(cluster):
     """``drain_worker`` as `tandem drain WORKER` does it (through Ray, to the gateway)."""
     from services.cluster import control
@@ -100,7 +106,7 @@ async def _drain_while_streaming(cluster, prompts, drain_timeout_s, drain):
 def test_drained_decode_workers_cut_no_stream(ray_session, checkpoint, prompts, reference):
     """Two drains on one cluster of three decode workers: the first (a cluster call)
     lets the streams finish in place, the second (timeout 0, requested through Ray)
-    re-drives them; then one worker is left."""
+    re-drives them; then one worker is left, and the pool is scaled back to two."""
     from services.cluster import control
     from services.cluster.cluster import Cluster
 
@@ -146,6 +152,20 @@ def test_drained_decode_workers_cut_no_stream(ray_session, checkpoint, prompts, 
         control.request_drain(last, 10)
         outcome = control.wait_drained(last, time.monotonic() + 60)
         assert "last decode worker" in outcome[cluster.decode[0].worker_id]["error"]
+
+        # and back up (`tandem scale --decode 2`): a new worker joins group and router
+        target = [(cluster.control_name, "decode")]
+        control.request("scale", target, {"workers": 2, "timeout_s": 120})
+        outcome = control.wait_answers("scale", target, time.monotonic() + 180)["decode"]
+        assert "error" not in outcome, outcome
+        (added,) = outcome["added"]
+        assert outcome["workers"] == 2 and outcome["drained"] == []
+        assert added in cluster.router.workers and added in cluster.placement
+        assert cluster.rebuilds == 1  # the transfer group, rebuilt with it
+        outputs = asyncio.run(_run(cluster, prompts))
+        assert outputs == reference
+        assert sorted(s["worker_id"] for s in wait_all_free(cluster)) == sorted(
+            ["prefill-0", cluster.decode[0].worker_id, added])
         with pytest.raises(ValueError, match="timeout_s"):
             cluster.drain_worker(cluster.prefill[0].worker_id, -1)
     finally:
