@@ -16,7 +16,8 @@ import ray
 
 from services.common.config import ClusterConfig
 from services.common.sampling_params import SamplingParams
-from services.cluster import attach, control, drain, placement, scale
+from services.cluster import attach, control, drain, placement
+from services.cluster import scale as resize
 from services.cluster.drain import DRAIN_TIMEOUT_S, DrainReport
 from services.cluster.handles import RayDecode, RayPrefill, is_transient
 from services.cluster.ray_start import RayRuntime
@@ -62,7 +63,7 @@ class Cluster:
         self.replacements = 0
         self.rebuilds = 0
         self._serving = threading.Event()  # cleared while the transfer group is rebuilt
-        self._membership = threading.RLock()  # one drain (or heal) changes the pools at a time
+        self._membership = threading.RLock()  # one heal, drain or resize at a time
         self._serving.set()
 
     # -- lifecycle --------------------------------------------------------------
@@ -242,11 +243,11 @@ class Cluster:
         ``services.cluster.drain``."""
         return drain.drain_worker(self, worker_id, timeout_s)
 
-    def scale(self, role: str, workers: int, timeout_s: float = scale.ADD_TIMEOUT_S,
-              drain_timeout_s: float = DRAIN_TIMEOUT_S) -> scale.ScaleReport:
+    def scale(self, role: str, workers: int, timeout_s: float = resize.ADD_TIMEOUT_S,
+              drain_timeout_s: float = DRAIN_TIMEOUT_S) -> resize.ScaleReport:
         """Resize the ``prefill`` or ``decode`` pool to ``workers``: new workers join once
         Ray places them, surplus ones are drained (see ``services.cluster.scale``)."""
-        return scale.scale_pool(self, role, workers, timeout_s, drain_timeout_s)
+        return resize.scale_pool(self, role, workers, timeout_s, drain_timeout_s)
 
     def shutdown(self, kill_workers: bool | None = None) -> None:
         """Stop; the workers are killed unless they belong to a deployment (detached:

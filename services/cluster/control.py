@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 log = logging.getLogger(__name__)
 NAMESPACE = "tandem"
