@@ -3,7 +3,8 @@ worker node, each its own `ray start` with its own custom resource, loopback onl
 token authentication on), and `tandem serve --ray-address` placing the prefill worker on
 one node and the decode worker on the other by those resources. The KV crosses nodes
 over gloo/TCP; the real OpenAI client gets the offline engine's outputs; each worker's
-transfer metrics count the KV bytes, and the workers report different Ray node ids.
+transfer metrics count the KV bytes, and the workers report different Ray node ids;
+`tandem drain --node` from another process reaches the gateway through Ray.
 
 Every process of both nodes and of the gateway is ended when the test ends, whatever
 happens (by process id: other Ray clusters on the machine are left alone).
@@ -12,6 +13,7 @@ happens (by process id: other Ray clusters on the machine are left alone).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import secrets
 import shutil
@@ -124,7 +126,9 @@ def two_nodes(monkeypatch, tmp_path):
     token = Path(temp_dir) / "token"
     token.write_text(secrets.token_hex(32))
     env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token),
-           "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT)}
+           "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT),
+           # the machine is shared: Ray must not kill these workers for memory others use
+           "RAY_memory_monitor_refresh_ms": "0"}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     for k in ("GLOO_SOCKET_IFNAME", "RAY_ADDRESS"):
@@ -157,6 +161,18 @@ def _samples(text: str, name: str) -> dict[str, tuple[dict[str, str], float]]:
     return out
 
 
+def _metrics_once_counted(url: str, kv_bytes: float, timeout_s: float = 60.0) -> str:
+    """The first /metrics page whose snapshot counts ``kv_bytes`` on a worker (or the
+    last one read, after ``timeout_s``: the assertions then say what is missing)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        page = httpx.get(url + "/metrics", timeout=30).text
+        counted = [v for _, v in _samples(page, "tandem_kv_transfer_bytes_total").values()]
+        if kv_bytes in counted or time.monotonic() > deadline:
+            return page
+        time.sleep(0.5)
+
+
 def test_prefill_and_decode_on_two_nodes_match_the_offline_engine(two_nodes, checkpoint, tmp_path):
     import openai
 
@@ -170,11 +186,9 @@ def test_prefill_and_decode_on_two_nodes_match_the_offline_engine(two_nodes, che
         offline = LLM(checkpoint)
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
         expected = [o.outputs[0].text for o in offline.generate(PROMPTS, params)]
-        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
-                                    timeout=120)
         model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
 
-        async def one(i: int, prompt: str) -> tuple[str, int]:
+        async def one(client, i: int, prompt: str) -> tuple[str, int]:
             kw = dict(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
                       extra_body={"ignore_eos": True})
             if i % 2:  # half streamed, half not; all at once
@@ -189,20 +203,23 @@ def test_prefill_and_decode_on_two_nodes_match_the_offline_engine(two_nodes, che
             return out.choices[0].text, out.usage.prompt_tokens
 
         async def run_all() -> list[tuple[str, int]]:
-            return await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
+            async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused",
+                                          max_retries=0, timeout=120) as client:
+                return await asyncio.gather(*(one(client, i, p) for i, p in enumerate(PROMPTS)))
 
         results = asyncio.run(run_all())
         assert [text for text, _ in results] == expected
 
-        # the workers sit on different Ray nodes, each on the node with its resource
-        page = httpx.get(url + "/metrics", timeout=30).text
+        # the workers sit on different Ray nodes (the worker families in /metrics are a
+        # snapshot the gateway refreshes every 2 s: read one taken after the requests)
+        sent = sum(-(-prompt_tokens // 16) for _, prompt_tokens in results) * block_bytes(checkpoint)
+        page = _metrics_once_counted(url, sent)
         nodes_of = {w: labels for w, (labels, _) in
                     _samples(page, "tandem_worker_node_info").items()}
         assert set(nodes_of) == {"prefill-0", "decode-0"}, page
         assert nodes_of["prefill-0"]["node_id"] != nodes_of["decode-0"]["node_id"]
         assert {n["node_ip"] for n in nodes_of.values()} == {"127.0.0.1"}
         # the KV crossed: every prompt block sent by P's node and received on D's node
-        sent = sum(-(-prompt_tokens // 16) for _, prompt_tokens in results) * block_bytes(checkpoint)
         kv = _samples(page, "tandem_kv_transfer_bytes_total")
         assert kv["prefill-0"][1] == sent and kv["decode-0"][1] == sent, kv
 
@@ -212,5 +229,17 @@ def test_prefill_and_decode_on_two_nodes_match_the_offline_engine(two_nodes, che
         assert any("PrefillWorker" in n for n in names) and any("DecodeWorker" in n for n in names)
         beyond = {x for x in _listeners(procs) if not _is_loopback(x[0])}
         assert not beyond, f"listening beyond loopback: {sorted(beyond)}"
+
+        # `tandem drain --node` from another process reaches the gateway through Ray; the
+        # only prefill worker stays (a pool is never emptied) and the cluster serves on
+        drain = subprocess.run([sys.executable, "-m", "services.cluster.cli", "drain", "--node",
+                                nodes_of["prefill-0"]["node_id"], "--ray-address", address],
+                               cwd=ROOT, capture_output=True, text=True, timeout=180)
+        assert drain.returncode == 1, drain.stderr[-2000:]
+        assert "last prefill worker" in json.loads(drain.stdout)["prefill-0"]["error"]
+        assert [text for text, _ in asyncio.run(run_all())] == expected
+    except BaseException:
+        print(f"--- tandem serve log:\n{served.log.read_text()[-20000:]}")
+        raise
     finally:
         served.stop()
