@@ -53,6 +53,7 @@ class Cluster:
         self._progress = progress
         self.prefill: list[RayPrefill] = []
         self.decode: list[RayDecode] = []
+        self.draining: dict[str, RayPrefill | RayDecode] = {}  # out of the pools, not yet gone
         self.router: Router | None = None
         self.driver: RequestDriver | None = None
         self._ids = itertools.count()
@@ -260,7 +261,7 @@ class Cluster:
             self.publish_placement()  # forgets them all
         if kill_workers is None:
             kill_workers = self.deployment is None
-        for w in self.prefill + self.decode:
+        for w in self.prefill + self.decode + list(self.draining.values()):
             if not kill_workers:
                 continue
             with contextlib.suppress(Exception):

@@ -77,13 +77,17 @@ def drain_worker(cluster: Cluster, worker_id: str,
             cluster.decode = [w for w in cluster.decode if w is not worker]
         cluster.placement.pop(worker_id, None)
         cluster.publish_placement()
-    idle = _wait_idle(worker, t0 + timeout_s)
-    left = len(getattr(worker, "active", ()))  # re-driven when the actor goes
-    with cluster._membership:
-        if is_prefill and cluster.config.mode != "colocated":
-            _rebuild_without(cluster, worker)
-        else:
-            _stop(worker)
+        cluster.draining[worker_id] = worker  # a shutdown meanwhile stops it too
+    try:
+        idle = _wait_idle(worker, t0 + timeout_s)
+        left = len(getattr(worker, "active", ()))  # re-driven when the actor goes
+        with cluster._membership:
+            if is_prefill and cluster.config.mode != "colocated":
+                _rebuild_without(cluster, worker)
+            else:
+                _stop(worker)
+    finally:
+        cluster.draining.pop(worker_id, None)
     report = DrainReport(worker_id, idle, 0 if idle else left, time.monotonic() - t0)
     cluster._progress(f"drained {worker_id} in {report.seconds:.1f}s" + (
         "" if idle else f" ({report.redriven} requests still running were re-driven)"))
