@@ -106,7 +106,8 @@ async def _drain_while_streaming(cluster, prompts, drain_timeout_s, drain):
 def test_drained_decode_workers_cut_no_stream(ray_session, checkpoint, prompts, reference):
     """Two drains on one cluster of three decode workers: the first (a cluster call)
     lets the streams finish in place, the second (timeout 0, requested through Ray)
-    re-drives them; then one worker is left, and the pool is scaled back to two."""
+    re-drives them; then one worker is left, and the pool is scaled back to two; the
+    prefill pool grows and shrinks too."""
     from services.cluster import control
     from services.cluster.cluster import Cluster
 
@@ -166,6 +167,17 @@ def test_drained_decode_workers_cut_no_stream(ray_session, checkpoint, prompts, 
         assert outputs == reference
         assert sorted(s["worker_id"] for s in wait_all_free(cluster)) == sorted(
             ["prefill-0", cluster.decode[0].worker_id, added])
+
+        # the prefill pool the same way: a second prefill worker joins, then the newest
+        # leaves again (the decode workers receive from every prefill rank: the group
+        # is rebuilt each time), and the cluster still serves exactly
+        assert cluster.scale("prefill", 2).added == ("prefill-1",)
+        assert cluster.scale("prefill", 1).drained == ("prefill-1",)
+        assert [w.worker_id for w in cluster.prefill] == ["prefill-0"]
+        newest = max((w.worker_id for w in cluster.decode), key=lambda w: int(w.split("-")[1]))
+        assert cluster.scale("decode", 1).drained == (newest,)  # the highest-numbered one goes
+        assert cluster.rebuilds == 3 and cluster.replacements == 0
+        assert asyncio.run(_run(cluster, prompts)) == reference
         with pytest.raises(ValueError, match="timeout_s"):
             cluster.drain_worker(cluster.prefill[0].worker_id, -1)
     finally:
