@@ -101,3 +101,18 @@ def test_a_request_nobody_answers_times_out_and_is_withdrawn(kv):
     answers = control.wait_drained(target, time.monotonic() + 0.05)
     assert "no answer from gateway 'gone'" in answers["decode-1"]["error"]
     assert kv.data == {}  # not left for a gateway that starts later
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["drain"], "name the workers to drain, or --node / --this-node"),
+    (["drain", "decode-1", "--node", "abc"], "name the workers to drain, or --node / --this-node"),
+    (["drain", "decode-1", "--timeout", "-1"], "--timeout must be >= 0"),
+    (["scale"], "say how many workers: --prefill N and/or --decode M"),
+    (["scale", "--decode", "0"], "a pool needs at least one worker"),
+    (["scale", "--decode", "2", "--drain-timeout", "-5"], "--timeout and --drain-timeout must be >= 0"),
+])
+def test_bad_drain_and_scale_commands_are_refused_before_joining_ray(argv, message, capsys):
+    from services.cluster.cli import main
+
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
