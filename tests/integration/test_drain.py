@@ -4,7 +4,9 @@ offline engine, finished in place (drain timeout long enough) or re-driven on th
 decode worker (drain timeout 0); the router places no new request on the worker from the
 moment the drain starts; its actor exits; the cluster serves on with the workers left.
 The second drain goes the way of `tandem drain`: a request through the Ray cluster's
-key-value store, answered by the gateway."""
+key-value store, answered by the gateway. Then the pools are resized (`tandem scale`):
+new workers join the transfer group and the router, surplus ones are drained, and the
+cluster still serves exactly."""
 
 from __future__ import annotations
 
