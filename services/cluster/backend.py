@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from services.cluster.cluster import Cluster
+from services.cluster.placement import placement_family
 from services.cluster.telemetry import DEFAULT_INTERVAL_S, ClusterTelemetry
 from services.common.metrics import cluster_families
 from services.common.sampling_params import SamplingParams
@@ -40,4 +41,5 @@ class ClusterBackend:
         for w in c.prefill + c.decode:
             ready[w.role] = ready.get(w.role, 0) + int(w.load().alive)
         own = cluster_families(c.router.decisions, c.driver.num_redrives, c.replacements, ready)
+        own.append(placement_family(c.prefill + c.decode, c.placement))
         return own + snap.worker_families

@@ -90,6 +90,16 @@ def build_parser() -> argparse.ArgumentParser:
     chat_cmd.add_arguments(chat)
     chat.set_defaults(func=chat_cmd.main)
 
+    from services.cluster import control_command
+
+    drain = sub.add_parser("drain", help="take workers out of a running cluster without "
+                           "cutting a stream (scale-down)")
+    control_command.add_drain_arguments(drain)
+    drain.set_defaults(func=control_command.drain_main)
+    scale = sub.add_parser("scale", help="resize the prefill/decode pools of a running cluster")
+    control_command.add_scale_arguments(scale)
+    scale.set_defaults(func=control_command.scale_main)
+
     mk = sub.add_parser("make-model", help="write a seeded random checkpoint")
     mk.add_argument("--preset", default="small", choices=["tiny", "small", "bench"])
     mk.add_argument("--out", required=True)

@@ -16,7 +16,9 @@ import ray
 
 from services.common.config import ClusterConfig
 from services.common.sampling_params import SamplingParams
-from services.cluster import attach
+from services.cluster import attach, control, drain, placement
+from services.cluster import scale as resize
+from services.cluster.drain import DRAIN_TIMEOUT_S, DrainReport
 from services.cluster.handles import RayDecode, RayPrefill, is_transient
 from services.cluster.ray_start import RayRuntime
 from services.decode.worker import DecodeWorker
@@ -46,9 +48,13 @@ class Cluster:
         self.config = config
         self.deployment = deployment
         self.reattached: list[str] = []
+        self.placement: dict[str, placement.NodePlacement] = {}  # worker id -> its Ray node
+        self.control_name = control.name_of(deployment)  # where `tandem drain` finds it
+        self._control: control.ControlWatcher | None = None
         self._progress = progress
         self.prefill: list[RayPrefill] = []
         self.decode: list[RayDecode] = []
+        self.draining: dict[str, RayPrefill | RayDecode] = {}  # out of the pools, not yet gone
         self.router: Router | None = None
         self.driver: RequestDriver | None = None
         self._ids = itertools.count()
@@ -59,6 +65,7 @@ class Cluster:
         self.replacements = 0
         self.rebuilds = 0
         self._serving = threading.Event()  # cleared while the transfer group is rebuilt
+        self._membership = threading.RLock()  # one heal, drain or resize at a time
         self._serving.set()
 
     # -- lifecycle --------------------------------------------------------------
@@ -86,6 +93,7 @@ class Cluster:
             DecodeWorker, f"decode-{i}"), f"decode-{i}", role, rank=n_prefill + i)
             for i in range(n_decode)]
         ray.get([w.actor.ready.remote() for w in self.prefill + self.decode], timeout=timeout_s)
+        self._locate(self.prefill + self.decode, timeout_s)
         if self.deployment:
             attach.claim_new(self, [w for w in self.prefill + self.decode
                                     if w.worker_id not in attached], timeout_s)
@@ -104,6 +112,8 @@ class Cluster:
         self._start_refresher()
         if not self._first_refresh.wait(timeout_s):
             raise TimeoutError(f"no worker loads within {timeout_s:g}s")
+        self.publish_placement()
+        self._control = control.ControlWatcher(self.control_name, self).start()
         self._progress("cluster ready")
         return self
 
@@ -134,6 +144,20 @@ class Cluster:
                 time.sleep(0.2)
         raise RuntimeError(f"the actor name of {worker_id} stays taken")
 
+    def _locate(self, workers: list, timeout_s: float) -> None:
+        """Record (and report) the Ray node each of ``workers`` runs on."""
+        self.placement.update(placement.locate(workers, timeout_s))
+        self._progress("placement: " + placement.describe(workers, self.placement))
+
+    def publish_placement(self) -> None:
+        """Keep the workers' nodes where ``tandem drain --this-node`` looks (best effort)."""
+        nodes = {w.worker_id: self.placement[w.worker_id].node_id
+                 for w in self.prefill + self.decode if w.worker_id in self.placement}
+        try:
+            control.publish_nodes(self.control_name, nodes)
+        except Exception:  # noqa: BLE001 - only node-wide drains need it
+            log.warning("publishing the workers' nodes failed", exc_info=True)
+
     def _connect(self, timeout_s: float) -> None:
         """Check every P-D pair's KV layout, then build one transfer group over all of them."""
         pre, dec = self.prefill, self.decode
@@ -142,6 +166,8 @@ class Cluster:
         for p, pc in zip(pre, p_compat):
             for d, dc in zip(dec, d_compat):
                 dc.check(pc, ours=d.worker_id, theirs=p.worker_id)
+        for rank, w in enumerate(pre + dec):  # contiguous again after a worker left
+            w.rank = rank
         ranks = [w.rank for w in pre]
         cuda = self.config.engine.device.startswith("cuda")
         uuids = ray.get([w.actor.device_uuid.remote() for w in pre + dec], timeout=timeout_s)
@@ -168,6 +194,23 @@ class Cluster:
         later round. Transfers in flight during the rebuild fail and their requests
         are re-driven once it is done. Returns the ids of the replaced workers.
         """
+        with self._membership:  # checked under the lock: a drain or resize changes the pools
+            dead, broken = self._unhealthy()
+            if not dead and not broken:
+                return []
+            what = [f"replacing {', '.join(w.worker_id for w in dead)}"] if dead else []
+            what += [f"rebuilding the transfer group ({', '.join(w.worker_id for w in broken)}: "
+                     "channel broken)"] if broken else []
+            self._progress("; ".join(what))
+            self._serving.clear()
+            try:
+                self._replace(dead, timeout_s)
+            finally:
+                self._serving.set()
+        return [w.worker_id for w in dead]
+
+    def _unhealthy(self) -> tuple[list, list]:
+        """(dead workers, workers whose transfer channel broke), asked of each worker."""
         dead, broken = [], []
         for w in self.prefill + self.decode:
             try:
@@ -180,18 +223,7 @@ class Cluster:
                 dead.append(w)
             elif load.get("transfer_broken"):
                 broken.append(w)
-        if not dead and not broken:
-            return []
-        what = [f"replacing {', '.join(w.worker_id for w in dead)}"] if dead else []
-        what += [f"rebuilding the transfer group ({', '.join(w.worker_id for w in broken)}: "
-                 "channel broken)"] if broken else []
-        self._progress("; ".join(what))
-        self._serving.clear()
-        try:
-            self._replace(dead, timeout_s)
-        finally:
-            self._serving.set()
-        return [w.worker_id for w in dead]
+        return dead, broken
 
     def _replace(self, dead: list, timeout_s: float) -> None:
         for w in dead:
@@ -199,22 +231,41 @@ class Cluster:
                 ray.kill(w.actor, no_restart=True)
             w.actor = self._actor(PrefillWorker if w in self.prefill else DecodeWorker, w.worker_id)
         ray.get([w.actor.ready.remote() for w in dead], timeout=timeout_s)
+        self._locate(dead, timeout_s)
         if self.config.mode != "colocated":
             live = [w for w in self.prefill + self.decode if w not in dead]
             ray.get([w.actor.leave_transfer_group.remote() for w in live], timeout=timeout_s)
             self._connect(timeout_s)
+        if dead and self._control is not None:
+            self.publish_placement()
         for w in dead:
             self.router.add_worker(w)  # same id: revives it in the router
         self.replacements += len(dead)
         self.rebuilds += 1
 
+    def drain_worker(self, worker_id: str, timeout_s: float = DRAIN_TIMEOUT_S) -> DrainReport:
+        """Take a worker out of the cluster without cutting a stream (a scale-down): see
+        ``services.cluster.drain``."""
+        return drain.drain_worker(self, worker_id, timeout_s)
+
+    def scale(self, role: str, workers: int, timeout_s: float = resize.ADD_TIMEOUT_S,
+              drain_timeout_s: float = DRAIN_TIMEOUT_S) -> resize.ScaleReport:
+        """Resize the ``prefill`` or ``decode`` pool to ``workers``: new workers join once
+        Ray places them, surplus ones are drained (see ``services.cluster.scale``)."""
+        return resize.scale_pool(self, role, workers, timeout_s, drain_timeout_s)
+
     def shutdown(self, kill_workers: bool | None = None) -> None:
         """Stop; the workers are killed unless they belong to a deployment (detached:
         a restarted gateway re-attaches to them), or as ``kill_workers`` says."""
         self._stop_refresher()
+        if self._control is not None:
+            self._control.stop()
+            self._control = None
+            self.placement = {}
+            self.publish_placement()  # forgets them all
         if kill_workers is None:
             kill_workers = self.deployment is None
-        for w in self.prefill + self.decode:
+        for w in self.prefill + self.decode + list(self.draining.values()):
             if not kill_workers:
                 continue
             with contextlib.suppress(Exception):

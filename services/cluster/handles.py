@@ -94,10 +94,19 @@ class RayPrefill(RayWorker):
 
 
 class RayDecode(RayWorker):
+    """A decode worker; ``active`` names the requests this gateway has on it (from the
+    reservation or the local prefill to the end of the stream or the abort), which a
+    drain waits for."""
+
+    def __init__(self, actor, worker_id: str, role: str, rank: int | None = None) -> None:
+        super().__init__(actor, worker_id, role, rank)
+        self.active: set[str] = set()
+
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int],
                       params: SamplingParams, src_rank: int, transfer_id: str,
                       layer_group_size: int | None, checksum: bool
                       ) -> KVTransferDescriptor | None:
+        self.active.add(request_id)
         try:
             return await _quiet(self.actor.reserve).remote(
                 request_id, list(prompt_token_ids), params, src_rank, transfer_id,
@@ -106,20 +115,32 @@ class RayDecode(RayWorker):
             raise self._translate(e) from e
 
     async def decode(self, req: DecodeRequest) -> AsyncIterator[TokenDelta]:
+        self.active.add(req.request_id)
         gen = _quiet(self.actor.decode, num_returns="streaming").remote(req)
+        finished = False
         try:
             async for ref in gen:
-                yield await ref
+                delta = await ref
+                finished = delta.finished
+                yield delta
         except Exception as e:
             raise self._translate(e) from e
         finally:
             ray.cancel(gen)  # no-op once it has finished
+            if finished:  # otherwise the driver aborts it
+                self.active.discard(req.request_id)
 
     async def cancel(self, request_id: str) -> None:
-        await _within(_quiet(self.actor.cancel).remote(request_id), CLEANUP_TIMEOUT_S)
+        try:
+            await _within(_quiet(self.actor.cancel).remote(request_id), CLEANUP_TIMEOUT_S)
+        finally:
+            self.active.discard(request_id)
 
     async def abort(self, request_id: str) -> None:
-        await _within(_quiet(self.actor.abort).remote(request_id), CLEANUP_TIMEOUT_S)
+        try:
+            await _within(_quiet(self.actor.abort).remote(request_id), CLEANUP_TIMEOUT_S)
+        finally:
+            self.active.discard(request_id)
 
 
 def _quiet(method, **options):

@@ -17,11 +17,15 @@ raylet are children of this process and the workers children of the raylet, so a
 them inherit it. ``stop()`` puts the environment back.
 
 Joining an existing cluster (``ray_address``) changes nothing: a multi-node cluster must
-be reachable from its other nodes, and its nodes were started by someone else.
+be reachable from its other nodes, and its nodes were started by someone else. Except
+that a loopback address (a Ray on this machine kept on loopback, e.g. several nodes for
+a test) is joined with the single-node switch on: Ray otherwise rewrites ``127.0.0.1``
+into the host's network address, where such a Ray does not listen.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 from collections.abc import Mapping
@@ -48,6 +52,18 @@ def loopback_env() -> dict[str, str]:
     return {SINGLE_NODE_ENV: "0", "GLOO_SOCKET_IFNAME": lo, "NCCL_SOCKET_IFNAME": lo}
 
 
+def is_loopback_address(address: str) -> bool:
+    """Whether a Ray address (``host:port``, ``[v6]:port``, ``ray://host:port``) names
+    this machine's loopback interface."""
+    host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class RayRuntime:
     """Ray for one ``Cluster``: joined at ``address``, or started locally on loopback.
 
@@ -66,8 +82,14 @@ class RayRuntime:
         if ray.is_initialized():
             return False
         if self.address is not None:
-            ray.init(address=self.address, include_dashboard=False, log_to_driver=False,
-                     configure_logging=False)
+            if is_loopback_address(self.address):
+                self._apply({SINGLE_NODE_ENV: "0"})
+            try:
+                ray.init(address=self.address, include_dashboard=False, log_to_driver=False,
+                         configure_logging=False)
+            except BaseException:
+                self._restore()
+                raise
         else:
             self._apply(loopback_env())
             try:

@@ -7,12 +7,21 @@ host address of a multi-node cluster), hands it to ``TCPStore`` (``master_listen
 and publishes ``host:port`` in Ray's internal KV; the other ranks connect to it. With
 the default process group initialised on that store, ``ray.util.collective`` skips its
 own rendezvous and builds the named group on top.
+
+The gloo pair sockets bind the same address: unless ``GLOO_SOCKET_IFNAME`` is set (a
+Ray that ``tandem serve`` started sets it to loopback), it is set to the interface that
+carries the node address, instead of torch's default (the address the host name
+resolves to, 127.0.1.1 on many Linux hosts: unreachable from other nodes).
 """
 
 from __future__ import annotations
 
 import datetime
+import fcntl
+import ipaddress
+import os
 import socket
+import struct
 import time
 
 STORE_KEY_PREFIX = "tandem-gloo-store-"
@@ -30,6 +39,37 @@ def _bound_socket(host: str) -> socket.socket:
     return sock
 
 
+def interface_of(address: str) -> str | None:
+    """The name of the network interface that holds IPv4 ``address`` (None: none does,
+    or the address is not IPv4, or the platform cannot tell)."""
+    try:
+        wanted = ipaddress.IPv4Address(address)
+    except ipaddress.AddressValueError:
+        return None
+    if wanted.is_loopback:  # all of 127/8 is on the loopback interface
+        wanted = ipaddress.IPv4Address("127.0.0.1")
+    siocgifaddr = 0x8915  # Linux
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                req = struct.pack("256s", name.encode()[:15])
+                got = fcntl.ioctl(s.fileno(), siocgifaddr, req)[20:24]
+            except OSError:  # no IPv4 address, or not Linux
+                continue
+            if ipaddress.IPv4Address(got) == wanted:
+                return name
+    return None
+
+
+def bind_gloo_to(address: str) -> None:
+    """Make gloo's pair sockets use the interface of ``address`` (unless already set)."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    name = interface_of(address)
+    if name is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = name
+
+
 def init_gloo_default_group(world_size: int, rank: int, group_name: str, timeout_ms: int) -> None:
     """Initialise torch.distributed's default gloo group over a node-address-bound store.
 
@@ -41,6 +81,7 @@ def init_gloo_default_group(world_size: int, rank: int, group_name: str, timeout
 
     timeout = datetime.timedelta(milliseconds=timeout_ms)
     key = _key(group_name)
+    bind_gloo_to(ray.util.get_node_ip_address())
     if rank == 0:
         host = ray.util.get_node_ip_address()
         sock = _bound_socket(host)

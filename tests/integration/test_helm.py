@@ -522,6 +522,50 @@ def test_defaults_render_a_cpu_cluster_with_one_worker_per_pool():
     assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
 
 
+def test_worker_groups_scale_between_their_bounds_and_drain_before_a_pod_goes():
+    """The autoscaling hook: each pool's replicas (what `tandem plan --helm-values`
+    writes) and bounds reach KubeRay's autoscaler, and every worker pod drains its
+    tandem workers before it is removed (pre-stop `tandem drain --this-node`)."""
+    def drain_hook(group: dict) -> tuple[list[str], int]:
+        pod = group["template"]["spec"]
+        (container,) = pod["containers"]
+        return container["lifecycle"]["preStop"]["exec"]["command"], pod["terminationGracePeriodSeconds"]
+
+    # the defaults: no autoscaler, each group fixed at its replicas, the drain hook anyway
+    rc = one(render(), "RayCluster")
+    assert rc["spec"]["enableInTreeAutoscaling"] is False and "autoscalerOptions" not in rc["spec"]
+    for name in ("prefill", "decode"):
+        g = worker_group(rc, name)
+        assert (g["replicas"], g["minReplicas"], g["maxReplicas"]) == (1, 1, 1)
+        assert "idleTimeoutSeconds" not in g
+        assert drain_hook(g) == (["tandem", "drain", "--this-node", "--ray-address",
+                                  f"{RELEASE}-head-svc:6379", "--timeout", "30"], 90)
+
+    # the autoscaler on, with a plan's replicas inside the bounds
+    plan = {"ray": {"autoscaling": {"enabled": True}},
+            "prefill": {"replicas": 2, "minReplicas": 1, "maxReplicas": 4},
+            "decode": {"replicas": 1, "minReplicas": 1, "maxReplicas": 3, "drainTimeoutSeconds": 120}}
+    docs = render(plan)
+    rc = one(docs, "RayCluster")
+    assert rc["spec"]["enableInTreeAutoscaling"] is True
+    options = rc["spec"]["autoscalerOptions"]
+    assert (options["version"], options["upscalingMode"], options["idleTimeoutSeconds"]) == ("v2", "Default", 300)
+    for name in ("prefill", "decode"):
+        g, want = worker_group(rc, name), plan[name]
+        assert (g["replicas"], g["minReplicas"], g["maxReplicas"]) == (
+            want["replicas"], want["minReplicas"], want["maxReplicas"])
+        assert g["idleTimeoutSeconds"] == 300  # an idle pod (its workers drained) goes
+    command, grace = drain_hook(worker_group(rc, "decode"))
+    assert arg_value(command, "--timeout") == "120" and grace == 180
+    # the gateway creates the workers the replicas hold; pending ones make the demand
+    args = gateway_container(docs)["args"]
+    assert arg_value(args, "--prefill-workers") == "2" and arg_value(args, "--decode-workers") == "1"
+    # a drain of 0: running requests are re-driven at once, the pod still waits for it
+    rc = one(render({"decode": {"drainTimeoutSeconds": 0}}), "RayCluster")
+    command, grace = drain_hook(worker_group(rc, "decode"))
+    assert arg_value(command, "--timeout") == "0" and grace == 60
+
+
 def test_gateway_starts_a_resource_less_ray_node_then_execs_tandem_serve(tmp_path):
     """Run the gateway container's command with stand-ins for `ray` and `tandem`."""
     import subprocess

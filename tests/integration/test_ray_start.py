@@ -39,3 +39,13 @@ def test_a_started_ray_has_a_loopback_node_address_and_the_environment_is_restor
     assert os.environ["GLOO_SOCKET_IFNAME"] == "eth-before"
     assert "NCCL_SOCKET_IFNAME" not in os.environ and SINGLE_NODE_ENV not in os.environ
     assert ray_constants.ENABLE_RAY_CLUSTER == before
+
+
+@pytest.mark.parametrize("address, loopback", [
+    ("127.0.0.1:6379", True), ("localhost:6379", True), ("127.0.0.2:6379", True),
+    ("[::1]:6379", True), ("ray://127.0.0.1:10001", True),
+    ("10.0.0.5:6379", False), ("ray-head.serving.svc:6379", False), ("[fd00::5]:6379", False)])
+def test_a_loopback_ray_address_is_recognised(address, loopback):
+    from services.cluster.ray_start import is_loopback_address
+
+    assert is_loopback_address(address) is loopback

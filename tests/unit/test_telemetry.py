@@ -43,6 +43,7 @@ class FakeCluster:
         self.driver = SimpleNamespace(num_redrives=0)
         self.router = SimpleNamespace(decisions={})
         self.replacements = 0
+        self.placement: dict = {}  # worker id -> NodePlacement
         self.serving = True
         self.worker_calls = 0
 
