@@ -108,7 +108,8 @@ class LlamaModel(nn.Module):
         """Bytes of the weights as stored (packed, quantized or dense). Without the
         embedding table: what one decode step reads (the lookup reads one row of it)."""
         total = sum(p.numel() * p.element_size() for p in self.parameters())
-        total += sum(m.weight_bytes() for m in self.modules() if hasattr(m, "weight_bytes"))
+        total += sum(m.weight_bytes() for m in self.modules()
+                     if m is not self and hasattr(m, "weight_bytes"))
         if not include_embedding:
             table = self.embed_tokens.weight
             total -= table.numel() * table.element_size()
