@@ -126,7 +126,10 @@ def test_half_precision_engine(half_ckpts, ckpt_dtype):
         if not mixed:
             ref, _ = _hf_greedy(path, dtype, prompt, n=3)
             assert lo.token_ids[:3] == ref  # greedy agrees with HF in the same dtype
-        assert lo.token_ids[:3] == hi.token_ids[:3]
+        # mixed bf16 rounds neither as HF's bf16 nor as fp32: its greedy agreement is a rate
+        # (test_reduced_precision); here the first token and the logprobs below
+        same = 1 if mixed else 3
+        assert lo.token_ids[:same] == hi.token_ids[:same]
         top_lo, top_hi = dict(lo.logprobs[0].top), dict(hi.logprobs[0].top)
         common = set(top_lo) & set(top_hi)
         assert len(common) >= 15
