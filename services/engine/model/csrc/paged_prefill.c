@@ -26,7 +26,9 @@
 #include "team.h"
 #include "vexp.h"
 
-#define TILE 32
+#define TILE 32 /* query rows per task */
+#define KC 16   /* keys per chunk: one vector of scores per query row */
+#define RB 4    /* query rows scored together */
 
 #define NAME tandem_paged_prefill_f32
 #define KV_T float
