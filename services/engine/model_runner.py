@@ -166,6 +166,4 @@ class ModelRunner:
             token_rows=token_index[valid].to(dev),
             block_table=table.to(dev),
             last_pos=(starts + lens - 1).to(dev),
-            mask=mask.unsqueeze(1).to(dev),
-            query_start=offsets.to(dev),
-            query_len=lens.to(dev))
+            mask=mask.unsqueeze(1).to(dev))

@@ -1,4 +1,4 @@
-"""The native causal prefill kernel, bf16 KV reads and the int8 linear against torch."""
+"""bf16 KV reads of the native decode kernel and the int8 linear against torch."""
 
 from __future__ import annotations
 
@@ -31,33 +31,6 @@ def _reference_prefill(q, k_cache, v_cache, table, first_row, start, n, window, 
     return outs
 
 
-@pytest.mark.parametrize("heads,kv_heads,lens,starts,window,kv_dtype", [
-    (8, 4, [70], [0], None, torch.float32),            # one prompt, several tiles and blocks
-    (9, 3, [5, 33, 1], [0, 40, 7], None, torch.float32),  # later chunks of cached prefixes
-    (4, 4, [50, 20], [10, 0], 13, torch.float32),      # sliding window
-    (8, 2, [64, 3], [17, 60], None, torch.bfloat16),   # bf16 cache
-])
-def test_paged_prefill_matches_gather_and_sdpa(heads, kv_heads, lens, starts, window, kv_dtype):
-    gen = torch.Generator().manual_seed(sum(lens))
-    d, bs, num_blocks = 32, 8, 200
-    k_cache = torch.randn(num_blocks, bs, kv_heads, d, generator=gen).to(kv_dtype)
-    v_cache = torch.randn(num_blocks, bs, kv_heads, d, generator=gen).to(kv_dtype)
-    max_blocks = max(s + n for s, n in zip(starts, lens)) // bs + 1
-    table = torch.randperm(num_blocks, generator=gen)[:len(lens) * max_blocks].view(len(lens), -1)
-    total = sum(lens) + 2
-    qkv = torch.randn(total, (heads + 2 * kv_heads) * d, generator=gen)
-    q = qkv[:, :heads * d].view(total, heads, d)  # strided rows, as views of the fused output
-    first = torch.tensor([1 + sum(lens[:i]) for i in range(len(lens))])
-    out = torch.full((total, heads, d), float("nan"))
-    kernels.paged_prefill(q, out, first, torch.tensor(starts), torch.tensor(lens), k_cache, v_cache,
-                          table, window, 0.25)
-    refs = _reference_prefill(q, k_cache, v_cache, table, first.tolist(), starts, lens, window, 0.25)
-    for s, ref in enumerate(refs):
-        got = out[first[s]:first[s] + lens[s]]
-        torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
-    assert out[0].isnan().all() and out[-1].isnan().all(), "rows outside the runs stay untouched"
-
-
 def test_paged_decode_reads_a_bf16_cache():
     gen = torch.Generator().manual_seed(3)
     k_cache = torch.randn(50, 4, 2, 16, generator=gen).bfloat16()
@@ -72,17 +45,17 @@ def test_paged_decode_reads_a_bf16_cache():
     torch.testing.assert_close(out, torch.cat(ref), atol=2e-5, rtol=1e-4)
 
 
-def test_paged_kernels_reject_mixed_or_unsupported_caches():
+def test_paged_decode_rejects_mixed_or_unsupported_caches():
     q = torch.randn(2, 4, 8)
     idx = torch.zeros(1, dtype=torch.long)
     table = torch.zeros(1, 1, dtype=torch.long)
     f32, b16 = torch.randn(4, 4, 2, 8), torch.randn(4, 4, 2, 8).bfloat16()
     with pytest.raises(ValueError, match="one dtype"):
-        kernels.paged_prefill(q, torch.empty_like(q), idx, idx, idx + 1, f32, b16, table, None, 1.0)
+        kernels.paged_decode(q, torch.empty_like(q), idx, f32, b16, table, idx, None, 1.0)
     with pytest.raises(ValueError, match="fp32 or bf16"):
         kernels.paged_decode(q, torch.empty_like(q), idx, f32.half(), f32.half(), table, idx, None, 1.0)
     with pytest.raises(ValueError, match="int64"):
-        kernels.paged_prefill(q, torch.empty_like(q), idx.int(), idx, idx + 1, f32, f32, table, None, 1.0)
+        kernels.paged_decode(q, torch.empty_like(q), idx.int(), f32, f32, table, idx, None, 1.0)
 
 
 @pytest.mark.parametrize("rows,bias", [(1, False), (5, True)])

@@ -31,8 +31,6 @@ class AttentionGroup:
     block_table: torch.Tensor  # [B, max_blocks] long (padding -> block 0)
     last_pos: torch.Tensor  # [B] long: position of each sequence's last query
     mask: torch.Tensor | None  # [B, 1, Q, K] bool, True = may attend; None = no masking needed
-    query_start: torch.Tensor | None = None  # [B] long: flat token row of each first query
-    query_len: torch.Tensor | None = None  # [B] long: real queries of each sequence
 
 
 @dataclass
@@ -54,9 +52,8 @@ class AttentionBackend(Protocol):
 class TorchPagedAttention:
     """Gather each group's blocks by block table, then one masked SDPA per group.
 
-    With ``kernels`` (CPU, fp32 activations, fp32 or bf16 KV), no group is
-    gathered: the native decode and causal prefill kernels read each sequence's
-    blocks where they lie.
+    With ``kernels`` (CPU, fp32 activations, fp32 or bf16 KV), decode groups
+    skip the gather: the native kernel reads each sequence's blocks where they lie.
     """
 
     def __init__(self, scale: float, sliding_window: int | None = None,
@@ -81,11 +78,6 @@ class TorchPagedAttention:
                 self.kernels.paged_decode(q, out, g.token_rows, k_cache, v_cache,
                                           g.block_table, g.last_pos, self.sliding_window,
                                           self.scale)
-                continue
-            if native and g.query_start is not None:
-                self.kernels.paged_prefill(q, out, g.query_start, g.last_pos - g.query_len + 1,
-                                           g.query_len, k_cache, v_cache, g.block_table,
-                                           self.sliding_window, self.scale)
                 continue
             o = self._group(q, k_cache, v_cache, g)  # [B, Q, H, D]
             o = o.reshape(-1, o.shape[2], o.shape[3])

@@ -30,8 +30,8 @@ from services.common.cache_dir import cache_dir
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("paged_decode.c", "paged_prefill.c", "fused_ops.c", "int8_linear.c")
-_HEADERS = ("vexp.h", "team.h", "kv_load.h", "paged_decode_impl.h", "paged_prefill_impl.h")
+_SOURCES = ("paged_decode.c", "fused_ops.c", "int8_linear.c")
+_HEADERS = ("vexp.h", "team.h", "kv_load.h", "paged_decode_impl.h")
 _KV_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-fPIC",
           "-shared", "-std=c11"]
@@ -42,18 +42,13 @@ class CpuKernels:
     """The loaded library; each method checks its tensors before handing pointers over."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._decode, self._prefill = {}, {}
+        self._decode = {}
         for dtype, suffix in _KV_DTYPES.items():
             fn = getattr(lib, f"tandem_paged_decode_{suffix}")
             fn.restype = ctypes.c_int
             fn.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64,
                            _i64, _i64, _i64, _i64, _i64, _f32, _i64]
             self._decode[dtype] = fn
-            fn = getattr(lib, f"tandem_paged_prefill_{suffix}")
-            fn.restype = ctypes.c_int
-            fn.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64,
-                           _i64, _i64, _i64, _i64, _i64, _i64, _f32]
-            self._prefill[dtype] = fn
         self._int8_linear = lib.tandem_int8_linear_f32
         self._int8_linear.restype = None
         self._int8_linear.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]
@@ -125,33 +120,6 @@ class CpuKernels:
                           _head_splits(rows.shape[0], kv_heads))
         if rc != 0:
             raise MemoryError("paged_decode could not allocate its scratch buffers")
-
-    def paged_prefill(self, q: torch.Tensor, out: torch.Tensor, first_row: torch.Tensor,
-                      start_pos: torch.Tensor, num_queries: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, block_table: torch.Tensor, window: int | None,
-                      scale: float) -> None:
-        """Causal attention of query runs over their paged keys, writing their rows of ``out``.
-
-        Sequence ``s`` has ``num_queries[s]`` queries at token rows ``first_row[s] + i``
-        and positions ``start_pos[s] + i``; each attends keys ``[0, p]`` (``(p - window, p]``
-        when ``window`` is set), earlier chunks' included, through ``block_table[s]``.
-        ``q [T, H, D]`` fp32 (rows may be strided), ``out [T, H, D]`` fp32;
-        ``first_row, start_pos, num_queries [S]`` int64; ``block_table [S, max_blocks]``
-        int64; ``k_cache, v_cache [blocks, block_size, KVH, D]`` fp32 or bf16.
-        """
-        _check_f32(out)
-        _check_kv(k_cache, v_cache)
-        _check_dense_heads(q)
-        _check_indices(first_row, start_pos, num_queries, block_table)
-        _, heads, head_dim = q.shape
-        _, block_size, kv_heads, _ = k_cache.shape
-        rc = self._prefill[k_cache.dtype](
-            q.data_ptr(), q.stride(0), out.data_ptr(), first_row.data_ptr(), start_pos.data_ptr(),
-            num_queries.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
-            block_table.shape[1], first_row.shape[0], heads, kv_heads, head_dim, block_size,
-            window or 0, scale)
-        if rc != 0:
-            raise MemoryError("paged_prefill could not allocate its scratch buffers")
 
     def int8_linear(self, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                     bias: torch.Tensor | None) -> torch.Tensor:
