@@ -50,7 +50,7 @@ class CpuKernels:
                            _i64, _i64, _i64, _i64, _i64, _f32, _i64]
             self._decode[dtype] = fn
         self._int8_linear = lib.tandem_int8_linear_f32
-        self._int8_linear.restype = None
+        self._int8_linear.restype = ctypes.c_int
         self._int8_linear.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]
         self._add_rms_norm = lib.tandem_add_rms_norm_f32
         self._add_rms_norm.restype = None
@@ -129,9 +129,11 @@ class CpuKernels:
                 or qweight.shape[1] != x.shape[1]:
             raise ValueError("int8_linear needs a contiguous int8 [N, K] weight matching x [M, K]")
         out = x.new_empty(x.shape[0], qweight.shape[0])
-        self._int8_linear(x.data_ptr(), qweight.data_ptr(), scale.data_ptr(),
-                          None if bias is None else bias.data_ptr(), out.data_ptr(),
-                          x.shape[0], qweight.shape[0], qweight.shape[1])
+        rc = self._int8_linear(x.data_ptr(), qweight.data_ptr(), scale.data_ptr(),
+                               None if bias is None else bias.data_ptr(), out.data_ptr(),
+                               x.shape[0], qweight.shape[0], qweight.shape[1])
+        if rc != 0:
+            raise MemoryError("int8_linear could not allocate its row buffers")
         return out
 
 
