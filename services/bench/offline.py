@@ -118,7 +118,7 @@ def main(args: argparse.Namespace) -> int:
         result["ratio"] = result["tandem_tok_s"] / result["hf_tok_s"]
         result["greedy_identical"] = sum(a == b for a, b in zip(engine_tokens, hf_tokens))
 
-    weights = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+    weights = llm.engine.runner.model.weight_bytes(include_embedding=False)  # read per step
     bw = read_bandwidth_gbs()
     floor_ms = weights / (bw * 1e9) * 1e3
     step_ms = decode_step_ms(llm, prompts[0], args.decode_steps)

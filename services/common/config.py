@@ -39,6 +39,7 @@ class TransferBackend(enum.StrEnum):
 
 # Engine dtypes: auto = the checkpoint's on GPU, float32 on CPU; the rest with their aliases.
 DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "half")
+QUANTIZATIONS = ("int8",)  # weight-only, per output channel (CPU)
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 
@@ -199,7 +200,11 @@ class EngineConfig:
     # a model folder, a .gguf file or a hub repo id; None = the embedded default
     model: str | None = field(default=None, metadata={"cli": False, "keyword": None})
     dtype: str = field(default="auto", metadata={
-        "choices": DTYPES, "help": "weights and KV dtype (auto: the checkpoint's on GPU, float32 on CPU)"})
+        "choices": DTYPES, "help": "weights and KV dtype (auto: the checkpoint's on GPU, float32 on "
+                                   "CPU; bfloat16 on CPU is fast with AVX-512 BF16 or AMX only)"})
+    quantization: str | None = field(default=None, metadata={
+        "choices": QUANTIZATIONS, "help": "CPU: int8 weights, one scale per output channel "
+                                          "(activations and KV in --dtype)"})
     device: str = field(default="cpu", metadata={"type": check_device, "help": "cpu | cuda | cuda:N"})
     num_threads: int | None = field(default=None, metadata={
         "flag": "--threads", "help": "torch intra-op threads (default: torch's)"})
@@ -223,6 +228,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"unsupported quantization {self.quantization!r}; "
+                             f"choose one of {', '.join(QUANTIZATIONS)}")
         check_device(self.device)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "

@@ -215,10 +215,9 @@ class ModelRunner:
         b = len(entries)
         q_len = max(e[2] for e in entries)
         max_blocks = max(-(-(e[1] + e[2]) // bs) for e in entries)
-        table = torch.zeros(b, max_blocks, dtype=torch.long)
-        for r, e in enumerate(entries):
-            nb = -(-(e[1] + e[2]) // bs)
-            table[r, :nb] = torch.tensor(e[3][:nb])
+        pad = [0] * max_blocks
+        table = torch.tensor([(e[3][:-(-(e[1] + e[2]) // bs)] + pad)[:max_blocks]
+                              for e in entries], dtype=torch.long)  # one copy, not one per row
         offsets = torch.tensor([e[0] for e in entries])  # [B]
         starts = torch.tensor([e[1] for e in entries])
         lens = torch.tensor([e[2] for e in entries])

@@ -16,6 +16,7 @@ from services.engine.engine import LLMEngine
 from services.engine.llm import LLM
 from services.common.sampling_params import SamplingParams
 from services.engine.model.config import ModelConfig
+from services.engine.model.loader import fp32_activations
 from tests.hf_models import write_hf_checkpoint
 
 MAX_NEW = 12
@@ -113,15 +114,22 @@ def test_half_precision_engine(half_ckpts, ckpt_dtype):
     dtype = getattr(torch, ckpt_dtype)
     low = _llm(path, dtype=ckpt_dtype)
     assert low.engine.dtype == dtype
-    assert {p.dtype for p in low.engine.runner.model.parameters()} == {dtype}
+    # bf16 on a CPU with native bf16: packed bf16 weights, fp32 activations (test_reduced_precision)
+    mixed = fp32_activations(dtype, low.engine.device, True, None)
+    if not mixed:
+        assert {p.dtype for p in low.engine.runner.model.parameters()} == {dtype}
     assert low.engine.kv_cache.kv.dtype == dtype
     full = _llm(path, dtype="float32")
     tol = HALF_LOGPROB_ATOL[ckpt_dtype]
     for lo, hi, prompt in zip(low.generate(PROMPTS, GREEDY), full.generate(PROMPTS, GREEDY), PROMPTS):
-        ref, _ = _hf_greedy(path, dtype, prompt, n=3)
         lo, hi = lo.outputs[0], hi.outputs[0]
-        assert lo.token_ids[:3] == ref  # greedy agrees with HF in the same dtype
-        assert lo.token_ids[:3] == hi.token_ids[:3]
+        if not mixed:
+            ref, _ = _hf_greedy(path, dtype, prompt, n=3)
+            assert lo.token_ids[:3] == ref  # greedy agrees with HF in the same dtype
+        # mixed bf16 rounds neither as HF's bf16 nor as fp32: its greedy agreement is a rate
+        # (test_reduced_precision); here the first token and the logprobs below
+        same = 1 if mixed else 3
+        assert lo.token_ids[:same] == hi.token_ids[:same]
         top_lo, top_hi = dict(lo.logprobs[0].top), dict(hi.logprobs[0].top)
         common = set(top_lo) & set(top_hi)
         assert len(common) >= 15

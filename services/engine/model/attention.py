@@ -77,8 +77,8 @@ class AttentionBackend(Protocol):
 class TorchPagedAttention:
     """Gather each group's blocks by block table, then one masked SDPA per group.
 
-    With ``kernels`` (fp32 on CPU), decode groups skip the gather: the native
-    kernel reads each sequence's blocks where they lie.
+    With ``kernels`` (CPU, fp32 activations, fp32 or bf16 KV), decode groups
+    skip the gather: the native kernel reads each sequence's blocks where they lie.
     """
 
     uses_varlen = False
@@ -93,9 +93,9 @@ class TorchPagedAttention:
                  k_cache: torch.Tensor, v_cache: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
-        native = self.kernels is not None  # installed only on a CPU fp32 model
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        native = self.kernels is not None  # installed only on a CPU model with fp32 activations
         if not native and len(meta.groups) == 1 and meta.groups[0].valid_flat is None \
                 and meta.groups[0].token_index.shape[1] == 1:
             return self._group(q, k_cache, v_cache, meta.groups[0])[:, 0]  # pure decode step
@@ -114,8 +114,8 @@ class TorchPagedAttention:
     def _group(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                g: AttentionGroup) -> torch.Tensor:
         qg = q[g.token_index].transpose(1, 2)  # [B, H, Q, D]
-        kg = k_cache[g.block_table].flatten(1, 2).transpose(1, 2)  # [B, KVH, K, D]
-        vg = v_cache[g.block_table].flatten(1, 2).transpose(1, 2)
+        kg = k_cache[g.block_table].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [B, KVH, K, D]
+        vg = v_cache[g.block_table].flatten(1, 2).transpose(1, 2).to(q.dtype)
         o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.scale,
                                            enable_gqa=qg.shape[1] != kg.shape[1])
         return o.transpose(1, 2)  # [B, Q, H, D]

@@ -30,8 +30,9 @@ from services.common.cache_dir import cache_dir
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("paged_decode.c", "fused_ops.c")
-_HEADERS = ("vexp.h",)
+_SOURCES = ("paged_decode.c", "fused_ops.c", "int8_linear.c")
+_HEADERS = ("vexp.h", "team.h", "kv_load.h", "paged_decode_impl.h")
+_KV_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-fPIC",
           "-shared", "-std=c11"]
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -41,10 +42,16 @@ class CpuKernels:
     """The loaded library; each method checks its tensors before handing pointers over."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._decode = lib.tandem_paged_decode_f32
-        self._decode.restype = ctypes.c_int
-        self._decode.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64,
-                                 _i64, _i64, _i64, _i64, _i64, _f32, _i64]
+        self._decode = {}
+        for dtype, suffix in _KV_DTYPES.items():
+            fn = getattr(lib, f"tandem_paged_decode_{suffix}")
+            fn.restype = ctypes.c_int
+            fn.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64,
+                           _i64, _i64, _i64, _i64, _i64, _f32, _i64]
+            self._decode[dtype] = fn
+        self._int8_linear = lib.tandem_int8_linear_f32
+        self._int8_linear.restype = ctypes.c_int
+        self._int8_linear.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]
         self._add_rms_norm = lib.tandem_add_rms_norm_f32
         self._add_rms_norm.restype = None
         self._add_rms_norm.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32]
@@ -96,18 +103,17 @@ class CpuKernels:
 
         ``q [T, H, D]`` fp32 (rows may be strided), ``out [T, H, D]`` fp32;
         ``rows, positions [R]`` int64 (token row, query position);
-        ``k_cache, v_cache [blocks, block_size, KVH, D]`` fp32;
+        ``k_cache, v_cache [blocks, block_size, KVH, D]`` fp32 or bf16;
         ``block_table [R, max_blocks]`` int64. Keys ``(pos - window, pos]`` when
         ``window`` is set, else ``[0, pos]``.
         """
-        _check_f32(out, k_cache, v_cache)
+        _check_f32(out)
+        _check_kv(k_cache, v_cache)
         _check_dense_heads(q)
-        for t in (rows, block_table, positions):
-            if t.dtype != torch.long or t.device.type != "cpu" or not t.is_contiguous():
-                raise ValueError("paged_decode indices must be contiguous int64 CPU tensors")
+        _check_indices(rows, block_table, positions)
         _, heads, head_dim = q.shape
         _, block_size, kv_heads, _ = k_cache.shape
-        rc = self._decode(q.data_ptr(), q.stride(0), out.data_ptr(), rows.data_ptr(),
+        rc = self._decode[k_cache.dtype](q.data_ptr(), q.stride(0), out.data_ptr(), rows.data_ptr(),
                           k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(), block_table.shape[1],
                           positions.data_ptr(), rows.shape[0], heads, kv_heads, head_dim,
                           block_size, window or 0, scale,
@@ -115,11 +121,40 @@ class CpuKernels:
         if rc != 0:
             raise MemoryError("paged_decode could not allocate its scratch buffers")
 
+    def int8_linear(self, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+        """``x [M, K] @ (qweight [N, K] int8 * scale [N, 1]).T + bias [N]`` as fp32 ``[M, N]``."""
+        _check_f32(x, scale, *(() if bias is None else (bias,)))
+        if qweight.dtype != torch.int8 or not qweight.is_contiguous() \
+                or qweight.shape[1] != x.shape[1]:
+            raise ValueError("int8_linear needs a contiguous int8 [N, K] weight matching x [M, K]")
+        out = x.new_empty(x.shape[0], qweight.shape[0])
+        rc = self._int8_linear(x.data_ptr(), qweight.data_ptr(), scale.data_ptr(),
+                               None if bias is None else bias.data_ptr(), out.data_ptr(),
+                               x.shape[0], qweight.shape[0], qweight.shape[1])
+        if rc != 0:
+            raise MemoryError("int8_linear could not allocate its row buffers")
+        return out
+
 
 def _check_f32(*tensors: torch.Tensor) -> None:
     for t in tensors:
         if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
             raise ValueError("CPU kernels need contiguous fp32 CPU tensors")
+
+
+def _check_kv(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    for t in (k_cache, v_cache):
+        if t.dtype not in _KV_DTYPES or t.dtype != k_cache.dtype or t.device.type != "cpu" \
+                or not t.is_contiguous() or t.dim() != 4:
+            raise ValueError("CPU attention needs contiguous fp32 or bf16 CPU KV caches "
+                             "[blocks, block_size, KVH, D] of one dtype")
+
+
+def _check_indices(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if t.dtype != torch.long or t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError("CPU attention indices must be contiguous int64 CPU tensors")
 
 
 def _check_dense_heads(*tensors: torch.Tensor) -> None:

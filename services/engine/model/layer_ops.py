@@ -1,7 +1,7 @@
 """The elementwise steps of a decoder layer: residual add + RMSNorm, RoPE, SiLU-and-mul.
 
 ``TorchLayerOps`` computes them with torch ops, exactly as HF transformers
-does. ``NativeLayerOps`` (installed only on a CPU fp32 model) runs each as one
+does. ``NativeLayerOps`` (installed only on a CPU model with fp32 activations) runs each as one
 pass of a native CPU kernel (``cpu_kernels.py``, which checks its tensors);
 RoPE rounds identically, the norm and SiLU within float32 rounding of torch.
 """

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.engine.model import cpu_kernels, onednn
+from services.engine.model import cpu_kernels, onednn, quantized
 from services.engine.model.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from services.engine.model.config import ModelConfig
 from services.engine.model.layer_ops import NativeLayerOps, TorchLayerOps
@@ -81,22 +81,48 @@ class LlamaModel(nn.Module):
             cfg.hidden_size, cfg.vocab_size, bias=False)
         self.attn: AttentionBackend = TorchPagedAttention(cfg.head_dim ** -0.5, cfg.sliding_window)
         self.rope: RotaryEmbedding | None = None  # built on the real device by the loader
-        self._packed_head: torch.Tensor | None = None  # oneDNN copy of the LM head (CPU fp32)
         self.ops: TorchLayerOps = TorchLayerOps()
 
-    def use_onednn(self) -> None:
-        """CPU fp32: run every projection and the LM head through oneDNN (see onednn.py)."""
-        onednn.pack_linears(self)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self._packed_head = onednn.pack(weight)
+    @property
+    def act_dtype(self) -> torch.dtype:
+        """The residual stream's dtype (the norms'; fp32 on CPU whatever the weights')."""
+        return self.norm.weight.dtype
+
+    def use_onednn(self, weight_dtype: torch.dtype = torch.float32) -> None:
+        """CPU: every projection and the LM head through oneDNN with packed ``weight_dtype``
+        (fp32 or bf16) weights (see onednn.py); the dense weights are freed. A tied head is
+        a packed copy beside the embedding table the lookup reads."""
+        onednn.pack_linears(self, weight_dtype)
+        if self.lm_head is None:
+            self.lm_head = onednn.PackedLinear(self.embed_tokens.weight, None, weight_dtype)
+
+    def use_int8(self) -> int:
+        """Weight-only int8 (per output channel) projections and LM head; returns how many."""
+        n = quantized.quantize_linears(self)
+        if self.lm_head is None:
+            self.lm_head = quantized.Int8Linear(self.embed_tokens.weight, None)
+            n += 1
+        return n
+
+    def weight_bytes(self, include_embedding: bool = True) -> int:
+        """Bytes of the weights as stored (packed, quantized or dense). Without the
+        embedding table: what one decode step reads (the lookup reads one row of it)."""
+        total = sum(p.numel() * p.element_size() for p in self.parameters())
+        total += sum(m.weight_bytes() for m in self.modules()
+                     if m is not self and hasattr(m, "weight_bytes"))
+        if not include_embedding:
+            table = self.embed_tokens.weight
+            total -= table.numel() * table.element_size()
+        return total
 
     def use_cpu_kernels(self) -> bool:
-        """CPU fp32: decode attention and the elementwise steps through native kernels.
+        """CPU with fp32 activations: attention and the elementwise steps through native
+        kernels (KV fp32 or bf16).
 
-        Returns False (the torch path stays) off CPU fp32 or where they cannot be built;
+        Returns False (the torch path stays) elsewhere or where they cannot be built;
         once installed, the attention backend and layer ops use them unconditionally.
         """
-        weight = self.embed_tokens.weight
+        weight = self.norm.weight
         if weight.device.type != "cpu" or weight.dtype != torch.float32:
             return False
         kernels = cpu_kernels.load()
@@ -109,7 +135,7 @@ class LlamaModel(nn.Module):
 
     def init_rope(self, max_positions: int) -> None:
         cfg = self.config
-        dtype, device = self.embed_tokens.weight.dtype, self.embed_tokens.weight.device
+        dtype, device = self.act_dtype, self.norm.weight.device
         with torch.device(device):
             self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta,
                                         cfg.rope_scaling, dtype)
@@ -122,7 +148,7 @@ class LlamaModel(nn.Module):
         ``on_layer_done(i)`` runs after layer ``i`` wrote its KV (layer-wise transfer).
         Returns final-normed hidden states ``[T, hidden]``.
         """
-        x, delta = self.embed_tokens(input_ids), None
+        x, delta = self.embed_tokens(input_ids).to(self.act_dtype), None
         for i, layer in enumerate(self.layers):
             x, delta = layer(x, delta, positions, self.ops, self.rope, self.attn,
                              kv_cache[i, 0], kv_cache[i, 1], meta)
@@ -132,7 +158,6 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[R, hidden]`` -> float32 logits ``[R, vocab]``."""
-        if self._packed_head is not None:
-            return onednn.linear(hidden, self._packed_head, None)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        return F.linear(hidden, self.embed_tokens.weight).float()

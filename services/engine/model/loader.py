@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from services.engine.model import onednn
+from services.common.config import QUANTIZATIONS
+from services.engine.model import cpu_features, onednn
 from services.engine.model.config import ModelConfig
 from services.engine.model.llama import LlamaModel
 
@@ -17,6 +19,8 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "half": torch.float16}
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+log = logging.getLogger(__name__)
 
 
 def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
@@ -30,11 +34,27 @@ def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dt
     return DTYPES[name]
 
 
+def fp32_activations(dtype: torch.dtype, device: torch.device, use_onednn: bool,
+                     quantization: str | None) -> bool:
+    """Whether a CPU model keeps its activations fp32 and stores weights in ``dtype``
+    (packed bf16 for oneDNN, or int8): fp32, int8, and bf16 where the CPU has native
+    bf16 products. Elsewhere (GPU, fp16, bf16 emulated) the model runs in ``dtype``."""
+    if device.type != "cpu":
+        return False
+    if quantization is not None or dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and use_onednn and onednn.available(device) \
+        and cpu_features.has_native_bf16()
+
+
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
                max_positions: int, use_onednn: bool = True,
-               use_cpu_kernels: bool = True) -> LlamaModel:
-    """Build the model on ``device`` in ``dtype`` and fill it from ``*.safetensors``.
+               use_cpu_kernels: bool = True, quantization: str | None = None) -> LlamaModel:
+    """Build the model on ``device`` with ``dtype`` weights and fill it from ``*.safetensors``.
 
+    On CPU the activations stay fp32 where ``fp32_activations`` says so (weights packed
+    for oneDNN in ``dtype``, or int8 with ``quantization="int8"``); a bf16 model on a
+    CPU without native bf16 runs wholly in bf16 on the torch path, with a warning.
     Raises ``FileNotFoundError`` / ``ValueError`` naming what is missing or unknown.
     """
     path = Path(path)
@@ -42,9 +62,21 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in model folder {path}")
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"unsupported quantization {quantization!r}; choose {', '.join(QUANTIZATIONS)}")
+    if quantization is not None and dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"{quantization} weights need float32 or bfloat16 activations and KV, not {dtype}")
+    if quantization is not None and device.type != "cpu":
+        raise ValueError(f"{quantization} weight quantization runs on CPU only, not {device}")
+    mixed = fp32_activations(dtype, device, use_onednn, quantization)
+    if device.type == "cpu" and dtype == torch.bfloat16 and not mixed:
+        log.warning("bfloat16 on this CPU runs on the slow torch path (%s); float32 is faster "
+                    "here", "no AVX-512 BF16 or AMX" if not cpu_features.has_native_bf16()
+                    else "oneDNN off or unavailable")
+    build = torch.float32 if mixed else dtype
     with torch.device("meta"):
         model = LlamaModel(cfg)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to_empty(device=device).to(build)
     params = dict(model.named_parameters())
     filled: dict[str, int] = {name: 0 for name in params}
     needed = {name: p.numel() for name, p in params.items()}
@@ -64,15 +96,19 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
                     raise ValueError(f"tensor {key!r} has shape {tuple(src.shape)}, "
                                      f"expected {expected} ({cfg.architecture})")
                 rows = dst[row0:row0 + src.shape[0]]
-                rows.copy_(src.to(dtype))
+                rows.copy_(src.to(build))
                 filled[name] += src.numel()
     missing = [n for n, c in filled.items() if c != needed[n]]
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights for: {', '.join(missing[:8])}"
                          + (" ..." if len(missing) > 8 else ""))
     model.init_rope(max_positions)
-    if use_onednn and onednn.available(device, dtype):
-        model.use_onednn()
+    if quantization == "int8":
+        model.use_int8()
+    elif mixed and use_onednn and onednn.available(device):
+        model.use_onednn(dtype)
+    if mixed and dtype != torch.float32:  # the lookup table too (rows widened on lookup)
+        model.embed_tokens.weight.data = model.embed_tokens.weight.data.to(dtype)
     if use_cpu_kernels:
         model.use_cpu_kernels()
     return model.eval()

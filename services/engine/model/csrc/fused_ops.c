@@ -5,13 +5,14 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "team.h"
 #include "vexp.h"
 
 /* x[t] += delta[t] (when delta is given), then out[t] = w * (x[t] * rsqrt(mean(x[t]^2) + eps)).
  * x, delta, out: [T, dim] contiguous; w: [dim]. */
 void tandem_add_rms_norm_f32(float *x, const float *delta, float *out, const float *w,
                              int64_t rows, int64_t dim, float eps) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for num_threads(tandem_team(rows)) schedule(static)
     for (int64_t t = 0; t < rows; ++t) {
         float *xt = x + t * dim, *ot = out + t * dim;
         float ss = 0.f;
@@ -34,7 +35,7 @@ void tandem_rope_f32(float *q, int64_t q_stride, int64_t nq, float *k, int64_t k
                      int64_t nk, const float *cos_t, const float *sin_t,
                      const int64_t *positions, int64_t rows, int64_t head_dim) {
     const int64_t half = head_dim / 2;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for num_threads(tandem_team(rows)) schedule(static)
     for (int64_t t = 0; t < rows; ++t) {
         const float *c = cos_t + positions[t] * head_dim, *s = sin_t + positions[t] * head_dim;
         for (int64_t h = 0; h < nq + nk; ++h) {
@@ -53,7 +54,7 @@ void tandem_rope_f32(float *q, int64_t q_stride, int64_t nq, float *k, int64_t k
 
 /* out[t, i] = silu(gu[t, i]) * gu[t, inter + i]; gu: [T, 2*inter], out: [T, inter]. */
 void tandem_silu_mul_f32(const float *gu, float *out, int64_t rows, int64_t inter) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for num_threads(tandem_team(rows)) schedule(static)
     for (int64_t t = 0; t < rows; ++t) {
         const float *restrict g = gu + t * 2 * inter, *restrict u = g + inter;
         float *restrict o = out + t * inter;

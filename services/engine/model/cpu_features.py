@@ -1,0 +1,26 @@
+"""CPU instruction-set features the engine picks its fast paths by, read once at start-up."""
+
+from __future__ import annotations
+
+from functools import cache
+
+# Native bf16 dot products: AVX-512 BF16 (Cooper Lake, Zen 4+) or AMX (Sapphire Rapids+).
+BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+@cache
+def cpu_flags() -> frozenset[str]:
+    """The ``flags`` of /proc/cpuinfo's first processor (empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def has_native_bf16(flags: frozenset[str] | None = None) -> bool:
+    """Whether the CPU computes bf16 products natively (else oneDNN would emulate them)."""
+    return bool(BF16_FLAGS & (cpu_flags() if flags is None else flags))

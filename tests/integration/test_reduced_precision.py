@@ -1,0 +1,120 @@
+"""bf16 weights/KV and int8 weights on CPU against the fp32 engine: closeness, not identity.
+
+Parity here is logprob closeness and greedy agreement with fp32 (reduced precision
+is never token-exact); the figures on the real default model are in the README.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from services.common.sampling_params import SamplingParams
+from services.engine.llm import LLM
+from services.engine.model import cpu_features, cpu_kernels, loader
+from services.engine.model.onednn import PackedLinear
+from services.engine.model.quantized import Int8Linear
+
+STEPS = 8
+GREEDY = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=5)
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [100, 200, 300, 400, 500] * 5, [42, 43], list(range(60, 100))]
+
+
+def _llm(path, **kw) -> LLM:
+    return LLM(str(path), num_blocks=64, **kw)
+
+
+def _closeness(low: LLM, full: LLM) -> tuple[float, float]:
+    """(greedy agreement over the common prefix of each output, max first-step logprob gap
+    on fp32's top tokens)."""
+    agree = total = 0
+    gap = 0.0
+    for lo, hi in zip(low.generate(PROMPTS, GREEDY), full.generate(PROMPTS, GREEDY)):
+        lo, hi = lo.outputs[0], hi.outputs[0]
+        for a, b in zip(lo.token_ids, hi.token_ids):
+            total += 1
+            agree += a == b
+            if a != b:
+                break  # later tokens follow different prefixes
+        top_lo, top_hi = dict(lo.logprobs[0].top), dict(hi.logprobs[0].top)
+        gap = max([gap] + [abs(top_lo[t] - top_hi[t]) for t in top_hi if t in top_lo])
+    return agree / total, gap
+
+
+@pytest.fixture(scope="module")
+def fp32_llm(checkpoint) -> LLM:
+    return _llm(checkpoint, dtype="float32")
+
+
+def test_fp32_keeps_one_weight_copy(fp32_llm):
+    model = fp32_llm.engine.runner.model
+    assert not any(isinstance(m, nn.Linear) for m in model.modules()), "dense Linear left"
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert packed and all(m.packed.dtype == torch.float32 for m in packed)
+    dense_2d = [n for n, p in model.named_parameters() if p.dim() == 2]
+    assert dense_2d == ["embed_tokens.weight"]  # the lookup table; projections only packed
+    table = model.embed_tokens.weight
+    assert model.weight_bytes() - model.weight_bytes(include_embedding=False) \
+        == table.numel() * table.element_size()
+
+
+@pytest.mark.skipif(not cpu_features.has_native_bf16(), reason="no AVX-512 BF16 / AMX")
+def test_bf16_weights_and_kv_stay_close_to_fp32(checkpoint, fp32_llm):
+    low = _llm(checkpoint, dtype="bfloat16")
+    model = low.engine.runner.model
+    assert low.engine.kv_cache.kv.dtype == torch.bfloat16
+    assert {m.packed.dtype for m in model.modules() if isinstance(m, PackedLinear)} == {torch.bfloat16}
+    assert model.act_dtype == torch.float32
+    assert model.weight_bytes() < 0.55 * fp32_llm.engine.runner.model.weight_bytes()
+    agreement, gap = _closeness(low, fp32_llm)
+    assert agreement >= 0.75 and gap < 0.1, (agreement, gap)
+    assert gap > 0  # really ran in bf16
+
+
+def test_int8_weights_stay_close_to_fp32(checkpoint, fp32_llm):
+    low = _llm(checkpoint, dtype="float32", quantization="int8")
+    model = low.engine.runner.model
+    quantized = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    assert quantized and not any(isinstance(m, (nn.Linear, PackedLinear)) for m in model.modules())
+    if cpu_kernels.load() is not None:
+        assert all(m.kernels is not None for m in quantized)  # decode rows on the int8 kernel
+    full_bytes = fp32_llm.engine.runner.model.weight_bytes(include_embedding=False)
+    assert model.weight_bytes(include_embedding=False) < 0.3 * full_bytes
+    agreement, gap = _closeness(low, fp32_llm)
+    assert agreement >= 0.75 and gap < 0.1, (agreement, gap)
+    assert gap > 0
+
+
+def test_bf16_without_native_support_falls_back_to_the_torch_path(checkpoint, fp32_llm,
+                                                                     monkeypatch, caplog):
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx512f", "avx2"}))
+    with caplog.at_level(logging.WARNING, logger=loader.__name__):
+        low = _llm(checkpoint, dtype="bfloat16")
+    assert "no AVX-512 BF16 or AMX" in caplog.text
+    model = low.engine.runner.model
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    agreement, gap = _closeness(low, fp32_llm)
+    assert agreement >= 0.5 and gap < 0.2, (agreement, gap)
+
+
+def test_feature_detection_and_path_choice():
+    cpu = torch.device("cpu")
+    assert cpu_features.has_native_bf16(frozenset({"avx512_bf16"}))
+    assert cpu_features.has_native_bf16(frozenset({"amx_bf16", "amx_tile"}))
+    assert not cpu_features.has_native_bf16(frozenset({"avx512f", "avx512_vnni"}))
+    assert loader.fp32_activations(torch.float32, cpu, True, None)
+    assert loader.fp32_activations(torch.float32, cpu, True, "int8")
+    assert not loader.fp32_activations(torch.float16, cpu, True, None)
+    assert not loader.fp32_activations(torch.float32, torch.device("cuda"), True, None)
+    assert not loader.fp32_activations(torch.bfloat16, cpu, False, None)  # oneDNN off
+
+
+def test_int8_rejects_what_it_cannot_run(checkpoint):
+    with pytest.raises(ValueError, match="unsupported quantization"):
+        _llm(checkpoint, quantization="int4")
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        _llm(checkpoint, quantization="int8", dtype="float16")

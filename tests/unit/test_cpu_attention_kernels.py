@@ -1,0 +1,71 @@
+"""bf16 KV reads of the native decode kernel and the int8 linear against torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.engine.model import cpu_kernels
+
+kernels = cpu_kernels.load()
+pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler on this machine")
+
+
+def _reference_prefill(q, k_cache, v_cache, table, first_row, start, n, window, scale):
+    """Per sequence: gather its blocks, then masked SDPA of its query run."""
+    bs = k_cache.shape[1]
+    outs = []
+    for s in range(len(first_row)):
+        pos = start[s] + torch.arange(n[s])  # [n]
+        keys = torch.arange(table.shape[1] * bs)
+        mask = keys[None, :] <= pos[:, None]
+        if window:
+            mask &= keys[None, :] > pos[:, None] - window
+        kg = k_cache[table[s]].flatten(0, 1).transpose(0, 1).float()  # [KVH, K, D]
+        vg = v_cache[table[s]].flatten(0, 1).transpose(0, 1).float()
+        qs = q[first_row[s]:first_row[s] + n[s]].transpose(0, 1)  # [H, n, D]
+        o = F.scaled_dot_product_attention(qs[None], kg[None], vg[None], attn_mask=mask[None, None],
+                                           scale=scale, enable_gqa=True)[0]
+        outs.append(o.transpose(0, 1))
+    return outs
+
+
+def test_paged_decode_reads_a_bf16_cache():
+    gen = torch.Generator().manual_seed(3)
+    k_cache = torch.randn(50, 4, 2, 16, generator=gen).bfloat16()
+    v_cache = torch.randn(50, 4, 2, 16, generator=gen).bfloat16()
+    q = torch.randn(3, 4, 16, generator=gen)
+    table = torch.randperm(50, generator=gen)[:15].view(3, 5)
+    positions = torch.tensor([0, 9, 19])
+    out = torch.empty_like(q)
+    kernels.paged_decode(q, out, torch.arange(3), k_cache, v_cache, table, positions, None, 0.5)
+    ref = _reference_prefill(q, k_cache, v_cache, table, [0, 1, 2], positions.tolist(), [1, 1, 1],
+                             None, 0.5)
+    torch.testing.assert_close(out, torch.cat(ref), atol=2e-5, rtol=1e-4)
+
+
+def test_paged_decode_rejects_mixed_or_unsupported_caches():
+    q = torch.randn(2, 4, 8)
+    idx = torch.zeros(1, dtype=torch.long)
+    table = torch.zeros(1, 1, dtype=torch.long)
+    f32, b16 = torch.randn(4, 4, 2, 8), torch.randn(4, 4, 2, 8).bfloat16()
+    with pytest.raises(ValueError, match="one dtype"):
+        kernels.paged_decode(q, torch.empty_like(q), idx, f32, b16, table, idx, None, 1.0)
+    with pytest.raises(ValueError, match="fp32 or bf16"):
+        kernels.paged_decode(q, torch.empty_like(q), idx, f32.half(), f32.half(), table, idx, None, 1.0)
+    with pytest.raises(ValueError, match="int64"):
+        kernels.paged_decode(q, torch.empty_like(q), idx.int(), f32, f32, table, idx, None, 1.0)
+
+
+@pytest.mark.parametrize("rows,bias", [(1, False), (5, True)])
+def test_int8_linear_matches_the_dequantized_matmul(rows, bias):
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randint(-127, 128, (300, 200), generator=gen, dtype=torch.int8)
+    scale = torch.rand(300, generator=gen) / 100
+    b = torch.randn(300, generator=gen) if bias else None
+    x = torch.randn(rows, 200, generator=gen)
+    ref = F.linear(x, w.float() * scale[:, None], b)
+    torch.testing.assert_close(kernels.int8_linear(x, w, scale, b), ref, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="int8"):
+        kernels.int8_linear(x, w.float(), scale, b)
