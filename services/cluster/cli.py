@@ -40,6 +40,16 @@ def _make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _draft_truncate(args: argparse.Namespace) -> int:
+    from services.engine.model_source import resolve_model
+    from services.engine.spec.truncated_draft import truncated_draft_path, write_truncated_draft
+
+    source = resolve_model(None if args.model in (None, "default") else args.model).path
+    print(write_truncated_draft(source, args.layers, args.out) if args.out
+          else truncated_draft_path(source, args.layers))
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     import importlib
 
@@ -95,6 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--out", required=True)
     mk.add_argument("--seed", type=int, default=0)
     mk.set_defaults(func=_make_model)
+
+    draft = sub.add_parser("draft", help="draft models for --speculative draft")
+    truncate = draft.add_subparsers(dest="draft", required=True).add_parser(
+        "truncate", help="the target's first N layers + final norm + LM head, as a model folder")
+    truncate.add_argument("--model", default="default", help="target: a folder, .gguf, repo id or default")
+    truncate.add_argument("--layers", type=int, required=True, metavar="N")
+    truncate.add_argument("--out", default=None, help="folder to write (default: in the tandem cache)")
+    truncate.set_defaults(func=_draft_truncate)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
