@@ -53,7 +53,7 @@ def _draft_truncate(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     import importlib
 
-    return importlib.import_module(f"services.bench.{args.bench}").main(args)
+    return importlib.import_module(f"services.bench.{args.bench.replace('-', '_')}").main(args)
 
 
 def _version() -> str:
@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from services.bench import compare, offline, spec, stream, transfer
+    from services.bench import compare, offline, spec, spec_placement, stream, transfer
     from services.bench import serve as serve_bench
 
     for name, module, text in (("offline", offline, "engine throughput vs HF transformers"),
@@ -124,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
                                ("stream", stream, "per-token overhead and concurrent streams"),
                                ("serve", serve_bench, "TTFT/TPOT/goodput of a server under load"),
                                ("compare", compare, "disaggregated vs colocated (vs another server)"),
-                               ("spec", spec, "speculative decoding on and off, batch 1/4/16")):
+                               ("spec", spec, "speculative decoding on and off, batch 1/4/16"),
+                               ("spec-placement", spec_placement, "where a draft model's prompt KV is made")):
         sp = bench_sub.add_parser(name, help=text)
         module.add_arguments(sp)
         sp.set_defaults(func=_bench)

@@ -67,8 +67,21 @@ class _DraftView:
         return head + self.draft[max(start, n) - n:end - n] if end > n else head
 
 
+def decode_weights(mc: ModelConfig) -> int:
+    """Weights one decode step reads: the layers' projections and the LM head (no embedding
+    rows beyond the token's, no norms): what a memory-bound step costs in proportion to."""
+    q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+    per_layer = mc.hidden_size * (q + 2 * kv) + q * mc.hidden_size + 3 * mc.hidden_size * mc.intermediate_size
+    return mc.num_layers * per_layer + mc.vocab_size * mc.hidden_size
+
+
 class DraftModelProposer:
-    """Greedy drafts from a second, smaller checkpoint with the target's vocabulary."""
+    """Greedy drafts from a second, smaller checkpoint with the target's vocabulary.
+
+    ``draft_cost``: what one drafted token costs relative to a target decode step,
+    estimated from the weights each reads (decode is bound by reading them); the
+    adaptive policy charges it per draft token.
+    """
 
     def __init__(self, path: str, target: ModelConfig, kv: KVCacheManager, num_blocks: int,
                  dtype: torch.dtype, device: torch.device, max_model_len: int,
@@ -88,6 +101,7 @@ class DraftModelProposer:
         cache = PagedKVCache(mc.num_layers, num_blocks, kv.block_size, mc.num_kv_heads,
                              mc.head_dim, dtype, device)
         self.runner = ModelRunner(model, cache, Sampler(0), ())
+        self.draft_cost = decode_weights(mc) / decode_weights(target)
         self.kv = kv
         self.prefill_chunk = prefill_chunk
         # A drafting sequence lags by at most its last draft plus the target's token:
