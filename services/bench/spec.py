@@ -21,7 +21,7 @@ the per-position ``verify_cost`` that implies, and the acceptance rate at which
 speculation breaks even there (above it, speculation wins).
 
 Greedy decoding, so every engine must produce the same tokens (checked).
-Reports tokens/s, the speed-up, the acceptance rate (accepted / proposed draft
+Reports tokens/s (median round), the speed-up (median of the rounds' ratios), the acceptance rate (accepted / proposed draft
 tokens) and the mean tokens committed per verified draft. On random weights a
 model copies nothing: acceptance there comes from the loops greedy decoding of a
 random model falls into, and says little about a trained checkpoint (``--model``).
@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import time
 
 PASSAGES = [
@@ -71,7 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ngram", action="store_true",
                    help="also run prompt lookup when drafting with a model")
     p.add_argument("--kv-cache-gb", type=float, default=0.25, help="KV cache per engine")
-    p.add_argument("--rounds", type=int, default=2, help="interleaved on/off repetitions")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved on/off repetitions (medians)")
     p.add_argument("--workloads", default="edit,chat,oracle")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--cost-steps", type=int, default=30,
@@ -139,8 +140,6 @@ def break_even_rate(ratio: float, k: int) -> float:
 
 def step_costs(plain, spec, prompts: list[list[int]], steps: int) -> tuple[float, float]:
     """Median seconds of a plain decode step and of a verifying one, interleaved."""
-    import statistics
-
     from services.common.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
@@ -247,27 +246,30 @@ def main(args: argparse.Namespace) -> int:
                     {f"{runs[1]}{r}-{i}": ref[i] for r in range(args.rounds) for i in range(bs)},
                     {f"{runs[1]}{r}-{i}": len(p) for r in range(args.rounds)
                      for i, p in enumerate(prompts)})
-            secs = dict.fromkeys(runs, 0.0)
+            secs: dict[str, list[float]] = {name: [] for name in runs}
             tokens: dict[str, list] = {}
             before = {n: _counters(engines[n]) for n in runs[1:]}
             for r in range(args.rounds):  # interleaved: off, a, b, ..., then reversed
                 for name in (runs if r % 2 == 0 else runs[::-1]):
                     s, toks = run_batch(engines[name], prompts, args.output_len, f"{name}{r}")
-                    secs[name] += s
+                    secs[name].append(s)
                     tokens[name] = toks
             if workload == "oracle":
                 spec.proposer = proposer
-            total = args.rounds * bs * args.output_len
+            total = bs * args.output_len  # per round
             for name in runs[1:]:
                 proposed, accepted, drafts = (a - b for a, b in zip(_counters(engines[name]),
                                                                       before[name]))
                 row = dict(workload=workload, variant=name, batch=bs,
-                           off_tok_s=total / secs["off"], on_tok_s=total / secs[name],
+                           off_tok_s=total / statistics.median(secs["off"]),
+                           on_tok_s=total / statistics.median(secs[name]),
                            proposed=proposed, accepted=accepted,
                            acceptance=accepted / proposed if proposed else 0.0,
                            tokens_per_draft=(accepted + drafts) / drafts if drafts else 0.0,
                            identical=tokens["off"] == tokens[name])
-                row["speedup"] = row["on_tok_s"] / row["off_tok_s"]
+                # median of each round's ratio: a load spike on the shared machine
+                # skews one round, not the figure
+                row["speedup"] = statistics.median(o / t for o, t in zip(secs["off"], secs[name]))
                 result["rows"].append(row)
                 print(f"{workload:8} {name:>8} {bs:5d} {row['off_tok_s']:10.1f} "
                       f"{row['on_tok_s']:10.1f} {row['speedup']:7.2f}x {row['acceptance']:7.2f} "
