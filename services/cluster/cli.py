@@ -110,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     truncate = draft.add_subparsers(dest="draft", required=True).add_parser(
         "truncate", help="the target's first N layers + final norm + LM head, as a model folder")
     truncate.add_argument("--model", default="default", help="target: a folder, .gguf, repo id or default")
-    truncate.add_argument("--layers", type=int, required=True, metavar="N")
+    truncate.add_argument("--layers", type=int, default=6, metavar="N",
+                          help="decoder layers kept (default 6: no depth pays on CPU, see README)")
     truncate.add_argument("--out", default=None, help="folder to write (default: in the tandem cache)")
     truncate.set_defaults(func=_draft_truncate)
 
