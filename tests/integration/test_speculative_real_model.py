@@ -1,7 +1,8 @@
 """Speculative decoding on the real default model (SmolLM2-135M-Instruct) with both
 proposers: greedy chat completions token-identical to transformers loading the same
-GGUF, in the offline engine (batched, and preempting) and in a disaggregated cluster
-with the layer-truncated draft on the decode worker (via the openai SDK)."""
+GGUF, in the offline engine (batched, and preempting) and through the cluster via the
+openai SDK (disaggregated with the layer-truncated draft on the decode worker;
+conditional with prompt lookup)."""
 
 from __future__ import annotations
 
@@ -46,10 +47,13 @@ def test_offline_engine_matches_transformers(real_model_dir, draft_dir, real_mod
     assert engine.block_pool.num_free == engine.block_pool.num_blocks
 
 
-def test_the_truncated_draft_in_the_disaggregated_decode_pool(ray_session, real_model_dir, draft_dir,
-                                                               real_model_reference):
-    """The decode worker loads the draft, catches it up on the imported prompts in
-    bounded chunks and verifies its drafts: the text transformers generates."""
+@pytest.mark.parametrize("mode,proposer", [("disaggregated", "draft"), ("conditional", "ngram")])
+def test_the_cluster_matches_transformers(ray_session, real_model_dir, draft_dir,
+                                          real_model_reference, mode, proposer):
+    """Disaggregated: the decode worker loads the truncated draft, catches it up on the
+    imported prompts in bounded chunks and verifies its drafts. Conditional: the shorter
+    prompts prefill on the decode worker, the longer remotely, prompt lookup drafts.
+    Either way, the text transformers generates."""
     import openai
 
     from services.cluster.backend import ClusterBackend
@@ -59,11 +63,15 @@ def test_the_truncated_draft_in_the_disaggregated_decode_pool(ray_session, real_
     from services.gateway.server import ServerThread
     from services.text.tokenizer import Tokenizer
 
-    spec = SpeculativeConfig(method="draft", draft_model=str(draft_dir), adaptive=False,
-                             num_speculative_tokens=3, max_batch_size=64, draft_prefill_chunk=16)
+    common = dict(adaptive=False, num_speculative_tokens=3, max_batch_size=64)
+    spec = SpeculativeConfig(method="draft", draft_model=str(draft_dir), draft_prefill_chunk=16,
+                             **common) if proposer == "draft" else \
+        SpeculativeConfig(method="ngram", ngram_min=1, **common)
     engine = EngineConfig(model=str(real_model_dir), dtype="float32",
                           cache=CacheConfig(num_blocks=64), speculative=spec)
-    cluster = Cluster(ClusterConfig(engine=engine, prefill_workers=1, decode_workers=1)).start()
+    lengths = sorted(len(p) for p in real_model_reference["prompts"])
+    cluster = Cluster(ClusterConfig(mode=mode, engine=engine, prefill_workers=1, decode_workers=1,
+                                    local_prefill_threshold=lengths[len(lengths) // 2])).start()
     mc = ModelConfig.from_dir(real_model_dir)
     app = create_app(ClusterBackend(cluster, "smollm2", mc.max_position_embeddings, mc.vocab_size),
                      Tokenizer.from_dir(real_model_dir), request_timeout_s=300)
