@@ -50,7 +50,6 @@ def draft_prefill_ms(draft: str, lens: list[int], chunk: int, repeats: int) -> l
     """Median ms of the draft's prefill of ``n`` tokens: one forward, and in chunks."""
     from services.common.config import CacheConfig, EngineConfig, SchedulerConfig
     from services.common.sampling_params import SamplingParams
-
     from services.engine.engine import LLMEngine
 
     params = SamplingParams(temperature=0.0, max_tokens=1)
