@@ -1,15 +1,17 @@
 """``tandem bench spec``: output tokens/s with and without speculative decoding.
 
-Two engines on the same checkpoint in one process, one with n-gram speculation
-and one without, run the same batches interleaved (off, on, on, off, ...) at
-each batch size, on two workloads:
+Engines on the same checkpoint in one process, one without speculation and one
+per speculative variant (prompt lookup ``ngram``; ``draft`` from ``--draft-model``;
+``draftN`` from the target's first N layers, ``--draft-layers``), run the same
+batches interleaved (off, a, b, ..., then reversed) at each batch size, on the
+workloads:
 
 - ``edit``: "rewrite this text" chat requests quoting a passage, so a model
   that copies its input is drafted well by prompt lookup;
 - ``chat``: short free-form chat prompts, where drafts come only from the
   model's own repetitions;
 - ``oracle``: the edit prompts with drafts read from the plain run's output,
-  every one accepted: the ceiling speculation reaches at each batch size, i.e.
+  every one accepted (first variant only): the ceiling speculation reaches at each batch size, i.e.
   what verifying ``k + 1`` positions costs against the decode steps it saves
   (where to switch speculation off: ``SpeculativeConfig.max_batch_size``).
 
@@ -18,8 +20,8 @@ batch size against a step that also verifies ``K`` draft tokens per sequence,
 the per-position ``verify_cost`` that implies, and the acceptance rate at which
 speculation breaks even there (above it, speculation wins).
 
-Greedy decoding, so the two engines must produce the same tokens (checked).
-Reports tokens/s, the speed-up, the acceptance rate (accepted / proposed draft
+Greedy decoding, so every engine must produce the same tokens (checked).
+Reports tokens/s (median round), the speed-up (median of the rounds' ratios), the acceptance rate (accepted / proposed draft
 tokens) and the mean tokens committed per verified draft. On random weights a
 model copies nothing: acceptance there comes from the loops greedy decoding of a
 random model falls into, and says little about a trained checkpoint (``--model``).
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import time
 
 PASSAGES = [
@@ -55,14 +58,21 @@ CHAT = [
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="local HF folder (default: the bench preset)")
+    p.add_argument("--model", default=None,
+                   help="model folder or 'default' (SmolLM2-135M-Instruct); default: the bench preset")
     p.add_argument("--batch-sizes", default="1,4,16", help="comma-separated batch sizes")
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K")
     p.add_argument("--no-adaptive", action="store_true", help="always draft K tokens")
     p.add_argument("--draft-model", default=None, metavar="PATH",
                    help="draft with this checkpoint (same vocabulary) instead of prompt lookup")
-    p.add_argument("--rounds", type=int, default=2, help="interleaved on/off repetitions")
+    p.add_argument("--draft-layers", default=None, metavar="N[,N...]",
+                   help="draft with the target's first N layers (one engine per N; "
+                        "see tandem draft truncate)")
+    p.add_argument("--ngram", action="store_true",
+                   help="also run prompt lookup when drafting with a model")
+    p.add_argument("--kv-cache-gb", type=float, default=0.25, help="KV cache per engine")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved on/off repetitions (medians)")
     p.add_argument("--workloads", default="edit,chat,oracle")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--cost-steps", type=int, default=30,
@@ -130,8 +140,6 @@ def break_even_rate(ratio: float, k: int) -> float:
 
 def step_costs(plain, spec, prompts: list[list[int]], steps: int) -> tuple[float, float]:
     """Median seconds of a plain decode step and of a verifying one, interleaved."""
-    import statistics
-
     from services.common.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
@@ -169,93 +177,146 @@ def run_batch(engine, prompts: list[list[int]], output_len: int, tag: str) -> tu
     return time.perf_counter() - t0, [out[rid] for rid in ids]
 
 
+def spec_variants(args: argparse.Namespace, path: str) -> dict[str, dict]:
+    """The speculative engines to compare with the plain one: name -> SpeculativeConfig kwargs.
+
+    ``ngram`` (prompt lookup) unless only drafts are asked for, ``draft`` for
+    ``--draft-model`` and ``draftN`` for each depth of ``--draft-layers`` (the
+    target's first N layers: ``spec/truncated_draft.py``).
+    """
+    from services.engine.spec.truncated_draft import truncated_draft_path
+
+    drafts: dict[str, str] = {}
+    if args.draft_model:
+        drafts["draft"] = args.draft_model
+    for n in [int(x) for x in (args.draft_layers or "").split(",") if x]:
+        drafts[f"draft{n}"] = str(truncated_draft_path(path, n))
+    out = {"ngram": dict(method="ngram")} if args.ngram or not drafts else {}
+    out.update({name: dict(method="draft", draft_model=d) for name, d in drafts.items()})
+    return out
+
+
 def main(args: argparse.Namespace) -> int:
     import torch
 
     from services.bench.runinfo import describe
-    from services.common.config import EngineConfig, SchedulerConfig, SpeculativeConfig
-    from services.engine.default_model import default_model_path
+    from services.common.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
     from services.engine.engine import LLMEngine
 
     torch.set_num_threads(args.threads)
-    path = str(args.model or default_model_path("bench"))
+    path = model_path(args.model)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
-    spec_cfg = SpeculativeConfig(method="draft" if args.draft_model else "ngram",
-                                 draft_model=args.draft_model,
-                                 num_speculative_tokens=args.num_speculative_tokens,
-                                 adaptive=not args.no_adaptive, max_batch_size=max(sizes))
-    engines = {mode: LLMEngine(EngineConfig(
-        model=path, num_threads=args.threads, scheduler=SchedulerConfig(max_num_batched_tokens=4096),
-        speculative=spec_cfg if mode == "on" else SpeculativeConfig())) for mode in ("off", "on")}
+    variants = spec_variants(args, path)
+    common = dict(num_speculative_tokens=args.num_speculative_tokens, adaptive=not args.no_adaptive,
+                  max_batch_size=max(sizes))
+
+    def engine(spec: SpeculativeConfig) -> LLMEngine:
+        return LLMEngine(EngineConfig(model=path, num_threads=args.threads,
+                                      cache=CacheConfig(memory_gb=args.kv_cache_gb),
+                                      scheduler=SchedulerConfig(max_num_batched_tokens=4096),
+                                      speculative=spec))
+
+    engines = {"off": engine(SpeculativeConfig())}
+    engines.update({name: engine(SpeculativeConfig(**kw, **common)) for name, kw in variants.items()})
     tokenizer = engines["off"].tokenizer
     info = describe()
-    result: dict = dict(model=path, draft_model=args.draft_model, output_len=args.output_len, threads=args.threads,
+    result: dict = dict(model=path, variants={n: v.get("draft_model", "prompt lookup")
+                                              for n, v in variants.items()},
+                        output_len=args.output_len, threads=args.threads,
                         k=args.num_speculative_tokens, adaptive=not args.no_adaptive,
                         run=info, rows=[])
-    print(f"model {path}, drafts from {args.draft_model or 'prompt lookup'}, {args.threads} threads, "
-          f"K={args.num_speculative_tokens}"
+    print(f"model {path}, {args.threads} threads, K={args.num_speculative_tokens}"
           f"{'' if args.no_adaptive else ' (adaptive)'}, {args.output_len} tokens per request")
+    for name, v in result["variants"].items():
+        print(f"  {name}: drafts from {v}")
     print(f"machine: {info['machine']['cpu']}, load {info['machine']['load_avg_at_start']}")
-    print(f"{'workload':8} {'batch':>5} {'off tok/s':>10} {'on tok/s':>10} {'speed-up':>8} "
-          f"{'accept':>7} {'tok/draft':>9} {'same':>5}")
+    print(f"{'workload':8} {'variant':>8} {'batch':>5} {'off tok/s':>10} {'on tok/s':>10} "
+          f"{'speed-up':>8} {'accept':>7} {'tok/draft':>9} {'same':>5}")
+    names = list(variants)
     for workload in [w for w in args.workloads.split(",") if w]:
         for bs in sizes:
             prompts = workload_prompts(workload, tokenizer, bs, seed=bs)
-            run_batch(engines["off"], prompts[:1], 4, "warm-off")
-            run_batch(engines["on"], prompts[:1], 4, "warm-on")
-            spec = engines["on"].speculator
-            proposer = spec.proposer
+            for name, eng in engines.items():
+                run_batch(eng, prompts[:1], 4, f"warm-{name}")
+            runs = ["off"] + (names[:1] if workload == "oracle" else names)
             if workload == "oracle":
                 _, ref = run_batch(engines["off"], prompts, args.output_len, "ref")
-                spec.proposer = ReplayProposer(
-                    {f"on{r}-{i}": ref[i] for r in range(args.rounds) for i in range(bs)},
-                    {f"on{r}-{i}": len(p) for r in range(args.rounds) for i, p in enumerate(prompts)})
-            secs = {"off": 0.0, "on": 0.0}
+                spec = engines[runs[1]].speculator
+                proposer, spec.proposer = spec.proposer, ReplayProposer(
+                    {f"{runs[1]}{r}-{i}": ref[i] for r in range(args.rounds) for i in range(bs)},
+                    {f"{runs[1]}{r}-{i}": len(p) for r in range(args.rounds)
+                     for i, p in enumerate(prompts)})
+            secs: dict[str, list[float]] = {name: [] for name in runs}
             tokens: dict[str, list] = {}
-            p0, a0, d0 = spec.num_proposed, spec.num_accepted, spec.num_drafts
-            for r in range(args.rounds):
-                for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
-                    s, toks = run_batch(engines[mode], prompts, args.output_len, f"{mode}{r}")
-                    secs[mode] += s
-                    tokens[mode] = toks
+            before = {n: _counters(engines[n]) for n in runs[1:]}
+            for r in range(args.rounds):  # interleaved: off, a, b, ..., then reversed
+                for name in (runs if r % 2 == 0 else runs[::-1]):
+                    s, toks = run_batch(engines[name], prompts, args.output_len, f"{name}{r}")
+                    secs[name].append(s)
+                    tokens[name] = toks
             if workload == "oracle":
                 spec.proposer = proposer
-            proposed, accepted = spec.num_proposed - p0, spec.num_accepted - a0
-            drafts = spec.num_drafts - d0
-            total = args.rounds * bs * args.output_len
-            row = dict(workload=workload, batch=bs, off_tok_s=total / secs["off"],
-                       on_tok_s=total / secs["on"], proposed=proposed, accepted=accepted,
-                       acceptance=accepted / proposed if proposed else 0.0,
-                       tokens_per_draft=(accepted + drafts) / drafts if drafts else 0.0,
-                       identical=tokens["off"] == tokens["on"])
-            row["speedup"] = row["on_tok_s"] / row["off_tok_s"]
-            result["rows"].append(row)
-            print(f"{workload:8} {bs:5d} {row['off_tok_s']:10.1f} {row['on_tok_s']:10.1f} "
-                  f"{row['speedup']:7.2f}x {row['acceptance']:7.2f} {row['tokens_per_draft']:9.2f} "
-                  f"{'yes' if row['identical'] else 'NO':>5}")
+            total = bs * args.output_len  # per round
+            for name in runs[1:]:
+                proposed, accepted, drafts = (a - b for a, b in zip(_counters(engines[name]),
+                                                                      before[name]))
+                row = dict(workload=workload, variant=name, batch=bs,
+                           off_tok_s=total / statistics.median(secs["off"]),
+                           on_tok_s=total / statistics.median(secs[name]),
+                           proposed=proposed, accepted=accepted,
+                           acceptance=accepted / proposed if proposed else 0.0,
+                           tokens_per_draft=(accepted + drafts) / drafts if drafts else 0.0,
+                           identical=tokens["off"] == tokens[name])
+                # median of each round's ratio: a load spike on the shared machine
+                # skews one round, not the figure
+                row["speedup"] = statistics.median(o / t for o, t in zip(secs["off"], secs[name]))
+                result["rows"].append(row)
+                print(f"{workload:8} {name:>8} {bs:5d} {row['off_tok_s']:10.1f} "
+                      f"{row['on_tok_s']:10.1f} {row['speedup']:7.2f}x {row['acceptance']:7.2f} "
+                      f"{row['tokens_per_draft']:9.2f} {'yes' if row['identical'] else 'NO':>5}")
     if args.cost_steps > 0:
-        k = args.num_speculative_tokens
-        fixed = LLMEngine(EngineConfig(
-            model=path, num_threads=args.threads,
-            scheduler=SchedulerConfig(max_num_batched_tokens=4096),
-            speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=k,
-                                          adaptive=False, max_batch_size=max(sizes))))
-        fixed.speculator.proposer = FixedProposer()
-        result["step_costs"] = []
-        print(f"\nstep costs: median of {args.cost_steps} interleaved decode steps, "
-              f"plain vs verifying K={k} drafts per sequence")
-        print(f"{'batch':>5} {'plain ms':>9} {'verify ms':>9} {'ratio':>6} {'verify_cost':>11} "
-              f"{'break-even acceptance':>22}")
-        for bs in sizes:
-            prompts = workload_prompts("chat", tokenizer, bs, seed=bs)
-            t_plain, t_spec = step_costs(engines["off"], fixed, prompts, args.cost_steps)
-            ratio = t_spec / t_plain
-            row = dict(batch=bs, plain_ms=1e3 * t_plain, verify_ms=1e3 * t_spec, ratio=ratio,
-                       verify_cost=(ratio - 1) / k, break_even_acceptance=break_even_rate(ratio, k))
-            result["step_costs"].append(row)
-            print(f"{bs:5d} {row['plain_ms']:9.2f} {row['verify_ms']:9.2f} {ratio:6.2f} "
-                  f"{row['verify_cost']:11.3f} {row['break_even_acceptance']:22.2f}")
+        result["step_costs"] = report_step_costs(engines["off"], engine, tokenizer, sizes, args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     return 0 if all(r["identical"] for r in result["rows"]) else 1
+
+
+def model_path(model: str | None) -> str:
+    """``--model``: a folder, ``default`` (SmolLM2-135M-Instruct) or, if absent, the bench preset."""
+    from services.engine.default_model import default_model_path
+    from services.engine.model_source import resolve_model
+
+    if model is None:
+        return str(default_model_path("bench"))
+    return str(resolve_model(None if model == "default" else model).path)
+
+
+def _counters(engine) -> tuple[int, int, int]:
+    s = engine.speculator
+    return s.num_proposed, s.num_accepted, s.num_drafts
+
+
+def report_step_costs(plain, make_engine, tokenizer, sizes: list[int], args) -> list[dict]:
+    """Median plain decode step vs one verifying K fixed drafts per sequence, per batch size."""
+    from services.common.config import SpeculativeConfig
+
+    k = args.num_speculative_tokens
+    fixed = make_engine(SpeculativeConfig(method="ngram", num_speculative_tokens=k,
+                                          adaptive=False, max_batch_size=max(sizes)))
+    fixed.speculator.proposer = FixedProposer()
+    rows = []
+    print(f"\nstep costs: median of {args.cost_steps} interleaved decode steps, "
+          f"plain vs verifying K={k} drafts per sequence")
+    print(f"{'batch':>5} {'plain ms':>9} {'verify ms':>9} {'ratio':>6} {'verify_cost':>11} "
+          f"{'break-even acceptance':>22}")
+    for bs in sizes:
+        prompts = workload_prompts("chat", tokenizer, bs, seed=bs)
+        t_plain, t_spec = step_costs(plain, fixed, prompts, args.cost_steps)
+        ratio = t_spec / t_plain
+        row = dict(batch=bs, plain_ms=1e3 * t_plain, verify_ms=1e3 * t_spec, ratio=ratio,
+                   verify_cost=(ratio - 1) / k, break_even_acceptance=break_even_rate(ratio, k))
+        rows.append(row)
+        print(f"{bs:5d} {row['plain_ms']:9.2f} {row['verify_ms']:9.2f} {ratio:6.2f} "
+              f"{row['verify_cost']:11.3f} {row['break_even_acceptance']:22.2f}")
+    return rows

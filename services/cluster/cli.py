@@ -40,10 +40,20 @@ def _make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _draft_truncate(args: argparse.Namespace) -> int:
+    from services.engine.model_source import resolve_model
+    from services.engine.spec.truncated_draft import truncated_draft_path, write_truncated_draft
+
+    source = resolve_model(None if args.model in (None, "default") else args.model).path
+    print(write_truncated_draft(source, args.layers, args.out) if args.out
+          else truncated_draft_path(source, args.layers))
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     import importlib
 
-    return importlib.import_module(f"services.bench.{args.bench}").main(args)
+    return importlib.import_module(f"services.bench.{args.bench.replace('-', '_')}").main(args)
 
 
 def _version() -> str:
@@ -106,9 +116,18 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--seed", type=int, default=0)
     mk.set_defaults(func=_make_model)
 
+    draft = sub.add_parser("draft", help="draft models for --speculative draft")
+    truncate = draft.add_subparsers(dest="draft", required=True).add_parser(
+        "truncate", help="the target's first N layers + final norm + LM head, as a model folder")
+    truncate.add_argument("--model", default="default", help="target: a folder, .gguf, repo id or default")
+    truncate.add_argument("--layers", type=int, default=6, metavar="N",
+                          help="decoder layers kept (default 6: no depth pays on CPU, see README)")
+    truncate.add_argument("--out", default=None, help="folder to write (default: in the tandem cache)")
+    truncate.set_defaults(func=_draft_truncate)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from services.bench import compare, offline, spec, stream, transfer
+    from services.bench import compare, offline, spec, spec_placement, stream, transfer
     from services.bench import serve as serve_bench
 
     for name, module, text in (("offline", offline, "engine throughput vs HF transformers"),
@@ -116,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
                                ("stream", stream, "per-token overhead and concurrent streams"),
                                ("serve", serve_bench, "TTFT/TPOT/goodput of a server under load"),
                                ("compare", compare, "disaggregated vs colocated (vs another server)"),
-                               ("spec", spec, "speculative decoding on and off, batch 1/4/16")):
+                               ("spec", spec, "speculative decoding on and off, batch 1/4/16"),
+                               ("spec-placement", spec_placement, "where a draft model's prompt KV is made")):
         sp = bench_sub.add_parser(name, help=text)
         module.add_arguments(sp)
         sp.set_defaults(func=_bench)

@@ -170,6 +170,12 @@ class SpeculativeConfig:
     draft_model: str | None = field(default=None, metadata={
         "flag": "--speculative-draft-model", "keyword": "draft_model",
         "help": "local model folder of a small model with the target's vocabulary (method draft)"})
+    # The draft's KV of a sequence's prompt is computed on the engine that decodes it
+    # (in disaggregated mode the decode worker), in chunks of at most this many tokens
+    # per step, so a long prompt arriving does not stall the running streams' steps.
+    draft_prefill_chunk: int = field(default=64, metadata={
+        "flag": "--speculative-draft-prefill-chunk", "keyword": "speculative_draft_prefill_chunk",
+        "help": "most prompt tokens the draft model catches up on per step (method draft)"})
 
     def __post_init__(self) -> None:
         if self.method not in (None, "ngram", "draft"):
@@ -187,6 +193,8 @@ class SpeculativeConfig:
             raise ValueError(f"verify_cost must be >= 0, got {self.verify_cost}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.draft_prefill_chunk < 1:
+            raise ValueError(f"draft_prefill_chunk must be >= 1, got {self.draft_prefill_chunk}")
 
     @property
     def enabled(self) -> bool:

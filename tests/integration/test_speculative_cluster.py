@@ -122,18 +122,30 @@ def test_draft_model_in_the_decode_pool(ray_session, checkpoint):
         cluster.shutdown()
 
 
+@pytest.fixture(scope="module")
+def other_draft(tmp_path_factory, tiny_model_dir) -> str:
+    """Another random model of the vocabulary: drafts mostly rejected, some accepted."""
+    from tests.hf_models import write_hf_checkpoint
+
+    return str(write_hf_checkpoint("qwen2", tmp_path_factory.mktemp("draft") / "m", tiny_model_dir,
+                                   seed=1))
+
+
 @pytest.mark.parametrize("mode", [
     dict(mode="colocated", prefill_workers=0, decode_workers=1),
     # the 30-token prompt prefills on the decode worker, the longer ones remotely
     dict(mode="conditional", prefill_workers=1, decode_workers=1, local_prefill_threshold=35),
 ], ids=["colocated", "conditional"])
-def test_the_other_modes_match_the_offline_engine(ray_session, checkpoint, mode):
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_the_other_modes_match_the_offline_engine(ray_session, checkpoint, other_draft, mode, method):
     from services.cluster.cluster import Cluster
 
     prompts = _prompts()
     llm = LLM(checkpoint)
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, ngram_min=1,
-                             adaptive=False, max_batch_size=64)
+                             adaptive=False, max_batch_size=64) if method == "ngram" else \
+        SpeculativeConfig(method="draft", draft_model=other_draft, num_speculative_tokens=3,
+                          adaptive=False, max_batch_size=64, draft_prefill_chunk=8)
     engine = EngineConfig(model=checkpoint, cache=CacheConfig(num_blocks=128), speculative=spec)
     cluster = Cluster(ClusterConfig(engine=engine, **mode)).start()
     try:

@@ -203,3 +203,93 @@ def test_a_draft_model_of_another_vocabulary_is_refused(checkpoint, tmp_path):
     (draft / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="vocabulary"):
         _draft_engine(checkpoint, draft)
+
+
+def test_the_drafts_prompt_catch_up_is_bounded_per_step(checkpoint):
+    """A long prompt joining running streams: the draft catches up on it at most
+    ``draft_prefill_chunk`` tokens a step (beyond the running drafts' own few), the
+    long sequence drafts once caught up, and outputs stay the plain ones."""
+    prompts = _prompts()
+    long_prompt = prompts[4] * 3  # 210 tokens
+    chunk = 16
+    plain = _run(_engine(checkpoint, False), prompts + [long_prompt], GREEDY)
+    eng = LLMEngine(EngineConfig(
+        model=str(checkpoint), cache=CacheConfig(block_size=4, num_blocks=256),
+        speculative=SpeculativeConfig(method="draft", draft_model=str(checkpoint), adaptive=False,
+                                      num_speculative_tokens=K, max_batch_size=64,
+                                      draft_prefill_chunk=chunk)))
+    runner = eng.speculator.proposer.runner
+    first_forwards: list[list[int]] = []  # tokens per sequence of each step's first draft forward
+    execute = runner.execute
+
+    def recording(items, *a):
+        if any(it.num_new_tokens > 1 for it in items) or not first_forwards or \
+                first_forwards[-1] is None:
+            first_forwards.append([it.num_new_tokens for it in items])
+        return execute(items, *a)
+
+    runner.execute = recording
+    spec = _run(eng, prompts + [long_prompt], GREEDY)
+    assert {k: v[0] for k, v in spec.items()} == {k: v[0] for k, v in plain.items()}
+    steady = K + 1  # a drafting sequence's own lag: its last draft plus one token
+    for sizes in first_forwards:
+        assert sum(n for n in sizes if n > steady) <= chunk, sizes
+    assert max(max(s) for s in first_forwards) == chunk  # the long prompt did come in chunks
+    sp = eng.speculator
+    assert sp.num_accepted == sp.num_proposed > 0
+    assert eng.num_steps < sum(len(v[0]) for v in spec.values())
+
+
+def _histogram(eng: LLMEngine, prompt: list[int], params: SamplingParams, n: int, position: int):
+    from collections import Counter
+
+    counts: Counter = Counter()
+    for start in range(0, n, 250):
+        ids = [f"r{i}" for i in range(start, min(n, start + 250))]
+        for rid in ids:
+            eng.add_request(rid, prompt, params)
+        out = {rid: [] for rid in ids}
+        while eng.has_unfinished():
+            for o in eng.step():
+                out[o.request_id] += o.new_token_ids
+        counts.update(tuple(v[:position + 1]) for v in out.values())
+    return counts
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True),
+    # the random model's law is flat: top_k bounds the outcomes, top_p cuts within them
+    SamplingParams(temperature=1.0, top_k=8, top_p=0.5, max_tokens=3, ignore_eos=True),
+], ids=["top_k", "top_p"])
+def test_draft_model_sampling_keeps_the_target_distribution(checkpoint, params):
+    """Unseeded sampling with the target drafting for itself (greedy drafts: often
+    accepted, often not): the joint law of tokens 1-3 equals the one without
+    speculation (two-sample chi-square, fixed seeds, p = 0.001)."""
+    prompt = _prompts()[1]
+    n = 1000
+
+    def engine(spec: bool) -> LLMEngine:
+        return LLMEngine(EngineConfig(
+            model=str(checkpoint), seed=3, cache=CacheConfig(block_size=4, num_blocks=1024),
+            speculative=SpeculativeConfig(method="draft", draft_model=str(checkpoint), adaptive=False,
+                                          num_speculative_tokens=2, max_batch_size=1024,
+                                          draft_prefill_chunk=4096)
+            if spec else SpeculativeConfig()))
+    with_spec = engine(True)
+    a = _histogram(with_spec, prompt, params, n, 2)
+    b = _histogram(engine(False), prompt, params, n, 2)
+    sp = with_spec.speculator
+    assert 0 < sp.num_accepted < sp.num_proposed
+    # Pool outcomes seen fewer than 10 times in both samples into one cell.
+    keys = sorted(set(a) | set(b))
+    big = [k for k in keys if a[k] + b[k] >= 10]
+    cells = [(a[k], b[k]) for k in big] + [(sum(a[k] for k in keys if k not in big),
+                                            sum(b[k] for k in keys if k not in big))]
+    cells = [c for c in cells if sum(c) > 0]
+    stat = sum((x - y) ** 2 / (x + y) for x, y in cells)  # equal sample sizes
+    dof = len(cells) - 1
+    assert dof >= 3
+    # chi-square critical value at p = 0.001 (Wilson-Hilferty approximation)
+    z = 3.09
+    crit = dof * (1 - 2 / (9 * dof) + z * (2 / (9 * dof)) ** 0.5) ** 3
+    assert stat < crit, f"chi2 {stat:.1f} over {dof} dof (critical {crit:.1f})"

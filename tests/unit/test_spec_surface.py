@@ -42,3 +42,15 @@ def test_edit_workload_quotes_the_passage():
     from services.bench.spec import PASSAGES, edit_prompt
 
     assert edit_prompt(PASSAGES[0]).endswith(PASSAGES[0])
+
+
+def test_draft_prefill_chunk_and_placement_bench_are_reachable():
+    args = build_parser().parse_args(["serve", "--speculative", "draft", "--speculative-draft-model",
+                                      "/models/small", "--speculative-draft-prefill-chunk", "32"])
+    assert build_config(args).engine.speculative.draft_prefill_chunk == 32
+    with pytest.raises(ValueError, match="draft_prefill_chunk"):
+        build_config(build_parser().parse_args(["serve", "--speculative-draft-prefill-chunk", "0"]))
+    args = build_parser().parse_args(["bench", "spec-placement", "--draft-layers", "6"])
+    assert args.bench == "spec-placement" and args.draft_layers == 6
+    args = build_parser().parse_args(["draft", "truncate"])
+    assert args.model == "default" and args.layers == 6 and args.out is None

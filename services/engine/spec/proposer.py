@@ -1,7 +1,10 @@
 """Draft proposers: guess the next tokens of a sequence cheaply, for the target to verify.
 
 A proposer returns a *deterministic* draft (a point mass per position), which is
-what verification by resampling (``verifier.py``) needs to stay exact.
+what verification by resampling (``verifier.py``) needs to stay exact. One that
+spends compute per drafted token says how much with a ``draft_cost`` attribute
+(relative to a target decode step; absent means free), which the adaptive
+policy charges (``speculator.py``).
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ is tracked as an exponential moving average. Drafting ``k`` tokens commits
 ratio (0: do not draft). ``c`` is ``verify_cost`` up to ``_COST_KNEE`` decoding
 sequences and grows in proportion to the batch beyond: a step stops being bound
 by reading the weights once the batch is large, so every extra position costs
-more (measured: 0.13-0.17 at batch 1-4, 0.25 at 8, 0.41 at 16). A sequence with no history drafts one
+more (measured: 0.13-0.17 at batch 1-4, 0.25 at 8, 0.41 at 16). A proposer that
+runs a model adds its own ``draft_cost`` per drafted token (a draft model: the
+share of the target's weights it reads; prompt lookup: 0). A sequence with no history drafts one
 token to measure itself; one that stops drafting drifts back towards the prior
 so it is probed again later.
 """
@@ -76,6 +78,8 @@ class Speculator:
             raise ValueError("speculative decoding is off in this config")
         self.config = config
         self.proposer = proposer or NgramProposer(config.ngram_min, config.ngram_max)
+        # Cost of one drafted token relative to a target decode step (0 for lookups).
+        self.draft_cost = float(getattr(self.proposer, "draft_cost", 0.0))
         self._rate: dict[str, float] = {}
         self.num_proposed = 0  # draft tokens verified, over the engine's life
         self.num_accepted = 0  # of which accepted
@@ -90,7 +94,7 @@ class Speculator:
         rate = self._rate.get(seq_id)
         if rate is None:
             return 1  # no history yet: one draft token measures the sequence cheaply
-        cost = c.verify_cost * max(1.0, batch_size / _COST_KNEE)
+        cost = c.verify_cost * max(1.0, batch_size / _COST_KNEE) + self.draft_cost
         return best_k(rate, c.num_speculative_tokens, cost)
 
     def propose(self, running: list[Sequence], max_model_len: int) -> dict[str, list[int]]:
@@ -153,5 +157,6 @@ def make_speculator(config: EngineConfig, target: ModelConfig, kv: KVCacheManage
         return None
     proposer = None if spec.method == "ngram" else DraftModelProposer(
         spec.draft_model, target, kv, num_blocks, dtype, torch.device(config.device),
-        max_model_len, use_onednn=config.onednn, use_cpu_kernels=config.cpu_kernels)
+        max_model_len, use_onednn=config.onednn, use_cpu_kernels=config.cpu_kernels,
+        prefill_chunk=spec.draft_prefill_chunk, max_draft=spec.num_speculative_tokens)
     return Speculator(spec, proposer)
