@@ -92,6 +92,9 @@ def side_env(threads: int, vllm: bool, kv_cache_gb: float) -> dict[str, str]:
     if vllm:
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_list(threads)
         env["VLLM_CPU_KVCACHE_SPACE"] = f"{kv_cache_gb:g}"
+        # One engine step may take minutes on an oversubscribed host; the driver's own
+        # RUN_TIMEOUT_S bounds a run instead of vLLM's 300 s step watchdog.
+        env.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", str(int(RUN_TIMEOUT_S)))
     return env
 
 
