@@ -4,7 +4,8 @@ Speaks the same protocol (``services.bench.side_protocol``). Its timings are fix
 that a test can check the driver's arithmetic: every ``generate`` reports
 ``FAKE_VLLM_GENERATE_S`` seconds and every ``ttft`` ``FAKE_VLLM_TTFT_S``. It prints on
 stdout as engines do, which must not disturb the protocol. ``FAKE_VLLM_FAIL=load``
-makes loading fail.
+makes loading fail; ``FAKE_VLLM_FAIL=generate:N`` makes the N-th ``generate`` (from 1)
+fail, as an engine dying mid-run would.
 """
 
 from __future__ import annotations
@@ -22,8 +23,14 @@ TTFT_S = float(os.environ.get("FAKE_VLLM_TTFT_S", "0.25"))
 class FakeBackend:
     """Output ids from the prompt's last id; no model."""
 
+    def __init__(self) -> None:
+        self.generated = 0
+
     def generate(self, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
         print("fake vllm: generating")  # stray engine output goes to stderr, not the protocol
+        self.generated += 1
+        if os.environ.get("FAKE_VLLM_FAIL") == f"generate:{self.generated}":
+            raise RuntimeError("fake vllm engine died")
         return GENERATE_S, [[(p[-1] + i) % 50 for i in range(output_len)] for p in prompts]
 
     def ttft(self, prompt: list[int]) -> float:

@@ -171,6 +171,9 @@ def main_vllm(args: argparse.Namespace, path: str) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
+    if result["stopped"]:
+        print(f"tandem: error: {result['stopped']}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.bench.side_protocol import Side
+from services.bench.side_protocol import Side, SideError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LOAD_TIMEOUT_S = 1200.0
@@ -133,28 +133,38 @@ def run(plan: Plan, vllm_python: str, vocab: int, kv_cache_gb: float = 2.0,
     ttft = {n: Series(f"ttft_{n}", "1/s") for n in plan.ttft_lens}
     order: list[str] = []
     agree = total = 0
+    stopped: str | None = None
     try:
         for rnd in range(plan.runs + 1):  # round 0 warms both sides up and is not counted
             names = ["tandem", "vllm"] if rnd % 2 else ["vllm", "tandem"]
             prompts = _prompts(rng, plan.num_prompts, plan.input_len, vocab)
             long_prompts = {n: _prompts(rng, 1, n, vocab)[0] for n in plan.ttft_lens}
             tokens: dict[str, list[list[int]]] = {}
-            for name in names:
-                reply = sides[name].call("generate", RUN_TIMEOUT_S, prompts=prompts,
-                                         output_len=plan.output_len)
-                tokens[name] = reply["tokens"]
-                tok_s = plan.num_prompts * plan.output_len / reply["elapsed_s"]
-                if rnd:
-                    throughput.values[name].append(tok_s)
-                    order.append(name)
-                progress(f"  round {rnd}{' (warm-up)' if not rnd else ''}: {name:6s} {tok_s:8.1f} output tok/s")
-            for n, prompt in long_prompts.items():
+            tput: dict[str, float] = {}
+            secs: dict[int, dict[str, float]] = {n: {} for n in plan.ttft_lens}
+            try:
                 for name in names:
-                    secs = sides[name].call("ttft", RUN_TIMEOUT_S, prompt=prompt)["elapsed_s"]
-                    if rnd:
-                        ttft[n].values[name].append(1.0 / secs)
-                    progress(f"  round {rnd}: {name:6s} TTFT {n:5d} tokens {secs * 1e3:8.1f} ms")
-            if rnd:
+                    reply = sides[name].call("generate", RUN_TIMEOUT_S, prompts=prompts,
+                                             output_len=plan.output_len)
+                    tokens[name] = reply["tokens"]
+                    tput[name] = plan.num_prompts * plan.output_len / reply["elapsed_s"]
+                    progress(f"  round {rnd}{' (warm-up)' if not rnd else ''}: {name:6s} "
+                             f"{tput[name]:8.1f} output tok/s")
+                for n, prompt in long_prompts.items():
+                    for name in names:
+                        secs[n][name] = sides[name].call("ttft", RUN_TIMEOUT_S, prompt=prompt)["elapsed_s"]
+                        progress(f"  round {rnd}: {name:6s} TTFT {n:5d} tokens {secs[n][name] * 1e3:8.1f} ms")
+            except SideError as e:
+                if rnd <= 1:
+                    raise  # not one whole measured round: nothing to report
+                stopped = f"stopped after {rnd - 1} of {plan.runs} rounds: {e}"
+                break
+            if rnd:  # only whole rounds count, so every ratio compares the same prompts
+                order += names
+                for name in names:
+                    throughput.values[name].append(tput[name])
+                    for n in plan.ttft_lens:
+                        ttft[n].values[name].append(1.0 / secs[n][name])
                 agree += sum(a == b for a, b in zip(tokens["tandem"], tokens["vllm"]))
                 total += plan.num_prompts
     finally:
@@ -163,7 +173,8 @@ def run(plan: Plan, vllm_python: str, vocab: int, kv_cache_gb: float = 2.0,
     return {"sides": {name: side.info for name, side in sides.items()}, "order": order,
             "throughput": throughput.summary(),
             "ttft": {str(n): _ttft_summary(s) for n, s in ttft.items()},
-            "greedy_identical": agree, "greedy_total": total, "logs": log_dir}
+            "greedy_identical": agree, "greedy_total": total, "logs": log_dir,
+            "rounds": len(order) // 2, "stopped": stopped}
 
 
 def _ttft_summary(series: Series) -> dict[str, Any]:
@@ -180,7 +191,8 @@ def _ttft_summary(series: Series) -> dict[str, Any]:
 def report(result: dict[str, Any], plan: Plan) -> list[str]:
     """The printed summary lines."""
     t = result["throughput"]
-    lines = [f"tandem vs {result['sides']['vllm'].get('engine', 'vllm')}: {plan.runs} interleaved runs each, "
+    engine = result["sides"]["vllm"].get("engine", "vllm")
+    lines = [f"tandem vs {engine}: {result['rounds']} interleaved runs each, "
              f"{plan.threads} threads, {plan.num_prompts} prompts x ({plan.input_len} in, {plan.output_len} out)"]
     for side in ("tandem", "vllm"):
         lines.append(f"  {side:6s} output tok/s  median {t[side]['median']:8.1f}  "
@@ -193,4 +205,6 @@ def report(result: dict[str, Any], plan: Plan) -> list[str]:
                      f"({s['tandem']['min_s'] * 1e3:.0f}-{s['tandem']['max_s'] * 1e3:.0f}), vllm "
                      f"{s['vllm']['median_s'] * 1e3:8.1f} ms ({s['vllm']['min_s'] * 1e3:.0f}-"
                      f"{s['vllm']['max_s'] * 1e3:.0f}) -> tandem {s['ratio_of_medians']:.2f}x as fast")
+    if result["stopped"]:
+        lines.append(f"  INCOMPLETE: {result['stopped']}")
     return lines

@@ -65,6 +65,22 @@ def test_a_side_that_fails_to_load_is_a_clear_error(tmp_path, tiny_model_dir, ca
     assert "vllm side: RuntimeError: fake vllm cannot load this model" in err
 
 
+def test_a_side_dying_mid_run_keeps_the_whole_rounds(tmp_path, tiny_model_dir, capsys):
+    out = tmp_path / "r.json"
+    rc = main(["bench", "offline", "--model", str(tiny_model_dir), "--threads", "1", "--runs", "3",
+               "--vllm-python", str(_fake_python(tmp_path, "FAKE_VLLM_FAIL=generate:4")),
+               "--num-prompts", "2", "--input-len", "8", "--output-len", "2", "--ttft-lens", "16",
+               "--json", str(out)])
+    assert rc == 1  # warm-up and rounds 1-2 whole; round 3 lost with the side
+    r = json.loads(out.read_text())
+    assert r["rounds"] == 2 and len(r["throughput"]["tandem"]["runs"]) == 2
+    assert len(r["ttft"]["16"]["vllm"]["runs_s"]) == 2
+    assert "stopped after 2 of 3 rounds" in r["stopped"] and "fake vllm engine died" in r["stopped"]
+    captured = capsys.readouterr()
+    assert "INCOMPLETE" in captured.out and "tandem / vllm (medians)" in captured.out
+    assert "stopped after 2 of 3 rounds" in captured.err
+
+
 def test_bad_arguments(tmp_path, tiny_model_dir):
     base = ["bench", "offline", "--model", str(tiny_model_dir)]
     assert main([*base, "--vllm-python", str(tmp_path / "missing")]) == 2
