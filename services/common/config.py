@@ -270,6 +270,11 @@ class ClusterConfig:
     decode_workers: int = field(default=1, metadata={"help": "workers in the decode pool"})
     engine: EngineConfig = EngineConfig()
     threads_per_worker: int = field(default=1, metadata={"help": "torch threads per worker"})
+    # CPU hosts the pools share: a decode worker takes more threads while no prefill is
+    # pending for it (the prefill workers' cores are idle then), threads_per_worker otherwise.
+    decode_burst_threads: int = field(default=0, metadata={
+        "help": "disaggregated on CPU: decode workers run this many torch threads while no "
+                "prefill is pending for them, threads-per-worker otherwise (0: off)"})
     cpus_per_worker: float = field(default=0.0, metadata={"help": "Ray CPUs each worker asks for"})
     # None: 1 on CUDA (one GPU per worker: NCCL ranks never share one), 0 on CPU.
     gpus_per_worker: float | None = field(default=None, metadata={
@@ -323,6 +328,8 @@ class ClusterConfig:
             raise ValueError(f"prefill_workers must be >= 1 in {self.mode} mode")
         if self.threads_per_worker < 1:
             raise ValueError(f"threads_per_worker must be >= 1, got {self.threads_per_worker}")
+        if self.decode_burst_threads < 0:
+            raise ValueError(f"decode_burst_threads must be >= 0, got {self.decode_burst_threads}")
         self._check_placement()
 
     def _check_placement(self) -> None:

@@ -18,6 +18,8 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 
+import torch
+
 from services.common.config import EngineConfig
 from services.common.sampling_params import SamplingParams
 from services.engine.engine import EngineOutput
@@ -28,6 +30,7 @@ from services.protocol.request_path import DecodeRequest, TokenDelta, TokenLogpr
 from services.transfer.endpoint import make_receiver, open_channel
 from services.transfer.receiver import KVReceiver
 from services.worker.engine_worker import EngineWorker
+from services.worker.threads import ElasticThreads
 
 log = logging.getLogger(__name__)
 STALL_TIMEOUT_S = 300.0  # a stream with no new token for this long is failed (wedged engine)
@@ -55,8 +58,11 @@ class DecodeWorker(EngineWorker):
     """
 
     def __init__(self, worker_id: str, config: EngineConfig, transfer_timeout_s: float = 30.0,
-                 role: str = "decode", sync=None) -> None:
+                 role: str = "decode", sync=None, burst_threads: int = 0) -> None:
+        """``burst_threads``: torch threads while no remote prefill is pending for this
+        worker (``ElasticThreads``; 0: always ``config.num_threads``)."""
         super().__init__(worker_id, config, role, sync=sync)
+        self.threads = ElasticThreads(config.num_threads or torch.get_num_threads(), burst_threads)
         self.receiver: KVReceiver | None = None
         self.rank: int | None = None
         self.transfer_timeout_s = transfer_timeout_s
@@ -64,6 +70,13 @@ class DecodeWorker(EngineWorker):
         self._reserving: dict[str, asyncio.Task] = {}  # request -> its reserve in progress
         self._ending: dict[str, asyncio.Task] = {}  # request -> its release in progress
         self.kv_bytes_received = 0
+        self._retune_threads()
+
+    def _retune_threads(self) -> None:
+        """Queue the thread count for the pending transfers now (applied between steps)."""
+        if self.threads.enabled:
+            pending = len(self._transfers)  # now: the commands apply in the order they were queued
+            self.loop.submit(lambda e: self.threads.apply(pending))
 
     def join_transfer_group(self, transports: Mapping[int, str], world_size: int, rank: int,
                             group_name: str, prefill_ranks: Sequence[int],
@@ -91,7 +104,9 @@ class DecodeWorker(EngineWorker):
 
     def counters(self) -> dict:
         return {"kv_bytes_received": self.kv_bytes_received,
-                "pending_transfers": len(self._transfers)}
+                "pending_transfers": len(self._transfers),
+                "threads": self.threads.current or self.threads.base,
+                "thread_switches": self.threads.switches}
 
     # -- remote prefill: reserve, receive, decode -------------------------------
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int],
@@ -134,6 +149,7 @@ class DecodeWorker(EngineWorker):
             await self._run(lambda e: e.cancel_reserved(request_id))  # nothing can write yet
             raise TransferFailedError(f"{request_id}: {e}") from e
         self._transfers[request_id] = (transfer_id, receiver)
+        self._retune_threads()
         return KVTransferDescriptor(
             request_id=request_id, transfer_id=transfer_id, block_ids=tuple(blocks),
             layer_groups=groups, src_rank=src_rank, dst_rank=self.rank,
@@ -233,6 +249,7 @@ class DecodeWorker(EngineWorker):
             await asyncio.shield(self._end(rid))
             raise TransferFailedError(f"{rid}: KV transfer {pt.status.name}: {pt.error}")
         del self._transfers[rid]  # DONE: nothing writes any more
+        self._retune_threads()
         receiver.forget(tid)
         self.kv_bytes_received += pt.num_bytes
         self.metrics.kv_transfer_bytes.inc(pt.num_bytes)
@@ -257,6 +274,7 @@ class DecodeWorker(EngineWorker):
                 await reserving
         entry = self._transfers.pop(request_id, None)
         if entry is not None:
+            self._retune_threads()
             tid, receiver = entry
             await asyncio.to_thread(receiver.abort, tid)  # returns once no write is in flight
             receiver.forget(tid)

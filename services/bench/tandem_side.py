@@ -1,0 +1,54 @@
+"""tandem's offline ``LLM`` as a benchmark side (see ``side_protocol``), vLLM's twin."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from services.bench.side_protocol import serve
+
+
+class TandemBackend:
+    """``services.engine.LLM`` over a model folder; greedy, EOS ignored, prompts as token ids."""
+
+    def __init__(self, model: str, threads: int, max_model_len: int, max_num_batched_tokens: int,
+                 seed: int, onednn: bool = True, cpu_kernels: bool = True) -> None:
+        import torch
+
+        from services.engine import LLM
+
+        torch.set_num_threads(threads)
+        self.llm = LLM(model, num_threads=threads, seed=seed, max_model_len=max_model_len,
+                       max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False,
+                       onednn=onednn, cpu_kernels=cpu_kernels)
+
+    def _run(self, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
+        from services.engine import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        t0 = time.perf_counter()
+        outs = self.llm.generate(prompts, params)
+        elapsed = time.perf_counter() - t0
+        return elapsed, [list(o.outputs[0].token_ids) for o in outs]
+
+    def generate(self, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
+        return self._run(prompts, output_len)
+
+    def ttft(self, prompt: list[int]) -> float:
+        return self._run([prompt], 1)[0]
+
+
+def load(**req: Any) -> tuple[TandemBackend, dict[str, Any]]:
+    """Build the backend for a ``load`` request (``onednn`` / ``cpu_kernels`` optional)."""
+    import torch
+
+    backend = TandemBackend(req["model"], int(req["threads"]), int(req["max_model_len"]),
+                            int(req["max_num_batched_tokens"]), int(req["seed"]),
+                            onednn=bool(req.get("onednn", True)),
+                            cpu_kernels=bool(req.get("cpu_kernels", True)))
+    return backend, {"engine": "tandem", "torch": torch.__version__}
+
+
+if __name__ == "__main__":
+    sys.exit(serve(load))

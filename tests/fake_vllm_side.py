@@ -1,0 +1,51 @@
+"""A stand-in for ``services.bench.vllm_side`` where vLLM is not installed (CI).
+
+Speaks the same protocol (``services.bench.side_protocol``). Its timings are fixed so
+that a test can check the driver's arithmetic: every ``generate`` reports
+``FAKE_VLLM_GENERATE_S`` seconds and every ``ttft`` ``FAKE_VLLM_TTFT_S``. It prints on
+stdout as engines do, which must not disturb the protocol. ``FAKE_VLLM_FAIL=load``
+makes loading fail; ``FAKE_VLLM_FAIL=generate:N`` makes the N-th ``generate`` (from 1)
+fail, as an engine dying mid-run would.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from services.bench.side_protocol import serve
+
+GENERATE_S = float(os.environ.get("FAKE_VLLM_GENERATE_S", "0.5"))
+TTFT_S = float(os.environ.get("FAKE_VLLM_TTFT_S", "0.25"))
+
+
+class FakeBackend:
+    """Output ids from the prompt's last id; no model."""
+
+    def __init__(self) -> None:
+        self.generated = 0
+
+    def generate(self, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
+        print("fake vllm: generating")  # stray engine output goes to stderr, not the protocol
+        self.generated += 1
+        if os.environ.get("FAKE_VLLM_FAIL") == f"generate:{self.generated}":
+            raise RuntimeError("fake vllm engine died")
+        return GENERATE_S, [[(p[-1] + i) % 50 for i in range(output_len)] for p in prompts]
+
+    def ttft(self, prompt: list[int]) -> float:
+        assert len(prompt) > 0
+        return TTFT_S
+
+
+def load(**req: Any) -> tuple[FakeBackend, dict[str, Any]]:
+    print("fake vllm: loading", req["model"])
+    if os.environ.get("FAKE_VLLM_FAIL") == "load":
+        raise RuntimeError("fake vllm cannot load this model")
+    env = {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE",
+                                          "OMP_NUM_THREADS")}
+    return FakeBackend(), {"engine": "fake-vllm 0.0", "request": req, "env": env}
+
+
+if __name__ == "__main__":
+    sys.exit(serve(load))

@@ -1,0 +1,104 @@
+"""``tandem bench offline --vllm-python``: the interleaved harness, against a stand-in vLLM side.
+
+The tandem side is the real engine (tiny preset) in its own process; the vLLM side is
+``tests/fake_vllm_side.py`` behind an executable that stands where vLLM's Python would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+from services.bench.side_by_side import Series, cpu_list
+from services.cluster.cli import main
+
+
+def _fake_python(tmp_path: Path, env: str = "") -> Path:
+    exe = tmp_path / "python"
+    exe.write_text(f"#!/bin/sh\n{env} exec {sys.executable} -m tests.fake_vllm_side\n")
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    return exe
+
+
+def test_interleaved_runs_against_a_stand_in(tmp_path, tiny_model_dir, capsys):
+    out = tmp_path / "r.json"
+    rc = main(["bench", "offline", "--model", str(tiny_model_dir), "--vllm-python", str(_fake_python(tmp_path)),
+               "--threads", "1", "--runs", "3", "--num-prompts", "4", "--input-len", "16",
+               "--output-len", "4", "--ttft-lens", "32,4096", "--json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    # A B B A A B: each measured round alternates who goes first.
+    assert r["order"] == ["tandem", "vllm", "vllm", "tandem", "tandem", "vllm"]
+    t = r["throughput"]
+    assert len(t["tandem"]["runs"]) == len(t["vllm"]["runs"]) == 3
+    assert t["vllm"]["runs"] == [pytest.approx(4 * 4 / 0.5)] * 3  # the stand-in's fixed 0.5 s
+    assert t["ratio_of_medians"] == pytest.approx(statistics.median(t["tandem"]["runs"]) / 32.0)
+    assert t["tandem"]["min"] <= t["tandem"]["median"] <= t["tandem"]["max"]
+    # The tiny preset's context is 2,048: the 4,096-token TTFT is clipped to 2,047.
+    assert sorted(r["ttft"]) == ["2047", "32"]
+    for s in r["ttft"].values():
+        assert s["vllm"]["median_s"] == pytest.approx(0.25)
+        assert s["ratio_of_medians"] == pytest.approx(0.25 / statistics.median(s["tandem"]["runs_s"]))
+    assert r["greedy_total"] == 12
+    # Same prompts and model, same thread count: the stand-in saw what vLLM would.
+    fake = r["sides"]["vllm"]
+    assert fake["request"]["model"] == str(tiny_model_dir) and fake["request"]["threads"] == 1
+    assert fake["env"] == {"VLLM_CPU_OMP_THREADS_BIND": cpu_list(1), "VLLM_CPU_KVCACHE_SPACE": "2",
+                           "OMP_NUM_THREADS": "1"}
+    printed = capsys.readouterr().out
+    assert "machine: " in printed and "load average" in printed
+    assert "tandem / vllm (medians)" in printed and "TTFT  2047 tokens" in printed
+
+
+def test_a_side_that_fails_to_load_is_a_clear_error(tmp_path, tiny_model_dir, capsys):
+    rc = main(["bench", "offline", "--model", str(tiny_model_dir), "--threads", "1", "--runs", "1",
+               "--vllm-python", str(_fake_python(tmp_path, "FAKE_VLLM_FAIL=load")),
+               "--num-prompts", "2", "--input-len", "8", "--output-len", "2", "--ttft-lens", "16"])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "vllm side: RuntimeError: fake vllm cannot load this model" in err
+
+
+def test_a_side_dying_mid_run_keeps_the_whole_rounds(tmp_path, tiny_model_dir, capsys):
+    out = tmp_path / "r.json"
+    rc = main(["bench", "offline", "--model", str(tiny_model_dir), "--threads", "1", "--runs", "3",
+               "--vllm-python", str(_fake_python(tmp_path, "FAKE_VLLM_FAIL=generate:4")),
+               "--num-prompts", "2", "--input-len", "8", "--output-len", "2", "--ttft-lens", "16",
+               "--json", str(out)])
+    assert rc == 1  # warm-up and rounds 1-2 whole; round 3 lost with the side
+    r = json.loads(out.read_text())
+    assert r["rounds"] == 2 and len(r["throughput"]["tandem"]["runs"]) == 2
+    assert len(r["ttft"]["16"]["vllm"]["runs_s"]) == 2
+    assert "stopped after 2 of 3 rounds" in r["stopped"] and "fake vllm engine died" in r["stopped"]
+    captured = capsys.readouterr()
+    assert "INCOMPLETE" in captured.out and "tandem / vllm (medians)" in captured.out
+    assert "stopped after 2 of 3 rounds" in captured.err
+
+
+def test_bad_arguments(tmp_path, tiny_model_dir):
+    base = ["bench", "offline", "--model", str(tiny_model_dir)]
+    assert main([*base, "--vllm-python", str(tmp_path / "missing")]) == 2
+    fake = str(_fake_python(tmp_path))
+    assert main([*base, "--vllm-python", fake, "--runs", "0"]) == 2
+    assert main([*base, "--vllm-python", fake, "--ttft-lens", "1k"]) == 2
+    assert main([*base, "--vllm-python", fake, "--input-len", "2000", "--output-len", "100"]) == 2
+
+
+def test_series_summary():
+    s = Series("throughput", "tok/s", {"tandem": [10.0, 30.0, 20.0], "vllm": [10.0, 10.0, 40.0]})
+    out = s.summary()
+    assert out["tandem"]["median"] == 20.0 and out["vllm"]["median"] == 10.0
+    assert out["ratio_of_medians"] == 2.0
+    assert out["round_ratios"] == [1.0, 3.0, 0.5]
+    assert (out["vllm"]["min"], out["vllm"]["max"]) == (10.0, 40.0)
+
+
+def test_more_threads_than_cpus_is_refused():
+    with pytest.raises(ValueError, match="CPUs are usable"):
+        cpu_list(len(os.sched_getaffinity(0)) + 1)
