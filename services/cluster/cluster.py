@@ -135,7 +135,7 @@ class Cluster:
         colocated = cfg.mode == "colocated"  # no prefill pool whose idle cores to take
         args = (worker_id, self._engine, cfg.prefill_nice) if prefill else (
             worker_id, self._engine, cfg.transfer_timeout_s, "both" if colocated else "decode",
-            0 if colocated else cfg.decode_burst_threads)
+            None, 0 if colocated else cfg.decode_burst_threads)  # sync None: the device's own
         for _ in range(50):  # a detached name is free again once its killed actor is gone
             try:
                 return ray.remote(cls).options(**opts).remote(*args)
