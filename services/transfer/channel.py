@@ -104,6 +104,19 @@ class ChannelBase:
         except ConnectionError as e:
             raise ChannelBrokenError(str(e)) from e
 
+    def _warm_up(self, peer: int, receive: bool) -> None:
+        """One byte across the pair, waited for, so that "connected" means connected
+        (NCCL, for one, sets up its p2p path on first use)."""
+        stream = self.stream(peer)
+        with self.sync.use(stream):
+            byte = torch.ones(1, dtype=torch.uint8, device=self.device)
+            if receive:
+                self.recv(byte, peer)
+            else:
+                self.send(byte, peer)
+            done = self.sync.record_event(stream)
+        self.wait(done, f"warm-up with rank {peer}")
+
     def _why_broken(self) -> str | None:
         """Polled while waiting: why the awaited work can never complete (None: it may)."""
         return self.broken

@@ -79,17 +79,6 @@ class IpcChannel(ChannelBase):
                 conn.close()
             raise
 
-    def _warm_up(self, peer: int, receive: bool) -> None:
-        stream = self.stream(peer)
-        with self.sync.use(stream):
-            byte = torch.ones(1, dtype=torch.uint8, device=self.device)
-            if receive:
-                self.recv(byte, peer)
-            else:
-                self.send(byte, peer)
-            done = self.sync.record_event(stream)
-        self.wait(done, f"warm-up with rank {peer}")
-
     def send(self, data: torch.Tensor, dst_rank: int) -> None:
         stream = self.stream(dst_rank)
         self._check(data, "send")

@@ -114,18 +114,6 @@ class NcclChannel(ChannelBase):
     def _pair_rank(self, peer: int) -> int:
         return 0 if self.rank < peer else 1
 
-    def _warm_up(self, peer: int, receive: bool) -> None:
-        """One byte across the pair, waited for: NCCL connects its p2p path on first use."""
-        stream = self.stream(peer)
-        with self.sync.use(stream):
-            byte = torch.ones(1, dtype=torch.uint8, device=self.device)
-            if receive:
-                self.recv(byte, peer)
-            else:
-                self.send(byte, peer)
-            done = self.sync.record_event(stream)
-        self.wait(done, f"warm-up with rank {peer}")
-
     def send(self, data: torch.Tensor, dst_rank: int) -> None:
         self._call("send", data, dst_rank, False)
 

@@ -14,6 +14,8 @@ import os
 import pytest
 import torch
 
+from services.bench.gpucheck.kernel_check import random_batch, reference_attention
+
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton"),
     # tests/conftest.py sets it on machines without CUDA, before anything imports triton
@@ -29,45 +31,6 @@ def tk():
     return triton_kernels
 
 
-def _reference(q, k_cache, v_cache, table, starts, ctx, scale, window):
-    """Per-sequence float64 causal attention over the gathered blocks."""
-    out = torch.zeros_like(q)
-    heads, kv_heads, bs = q.shape[1], k_cache.shape[2], k_cache.shape[1]
-    for b in range(len(ctx)):
-        first, last, c = int(starts[b]), int(starts[b + 1]), int(ctx[b])
-        if c == 0:
-            continue
-        nb = -(-c // bs)
-        k = k_cache[table[b, :nb]].flatten(0, 1)[:c].double().repeat_interleave(heads // kv_heads, 1)
-        v = v_cache[table[b, :nb]].flatten(0, 1)[:c].double().repeat_interleave(heads // kv_heads, 1)
-        s = torch.einsum("thd,khd->htk", q[first:last].double(), k) * scale
-        pos = torch.arange(c - (last - first), c)[:, None]
-        keys = torch.arange(c)[None]
-        allowed = keys <= pos
-        if window is not None:
-            allowed &= keys > pos - window
-        s = s.masked_fill(~allowed, float("-inf"))
-        out[first:last] = torch.einsum("htk,khd->thd", s.softmax(-1), v).to(q.dtype)
-    return out
-
-
-def _batch(lens, block_size, num_blocks, seed=0):
-    """Block table [B, W], query starts [B + 1] and context lengths [B] for (q_len, ctx) pairs;
-    blocks shuffled so no sequence's blocks are consecutive."""
-    g = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(num_blocks, generator=g)
-    width = max(-(-c // block_size) for _, c in lens)
-    table = torch.zeros(len(lens), width, dtype=torch.int64)
-    used = 0
-    for b, (_, c) in enumerate(lens):
-        nb = -(-c // block_size)
-        table[b, :nb] = perm[used:used + nb]
-        used += nb
-    starts = torch.tensor([0] + [n for n, _ in lens]).cumsum(0)
-    ctx = torch.tensor([c for _, c in lens])
-    return table, starts, ctx
-
-
 # (q_len, context) per sequence: decodes, a prefill, chunked prefills, a padding sequence
 LENS = [(1, 9), (1, 1), (6, 6), (3, 21), (19, 40), (1, 0)]
 
@@ -80,7 +43,7 @@ LENS = [(1, 9), (1, 1), (6, 6), (3, 21), (19, 40), (1, 0)]
 ])
 def test_paged_attention_matches_reference(tk, heads, kv_heads, head_dim, block_size, window):
     torch.manual_seed(0)
-    table, starts, ctx = _batch(LENS, block_size, 64)
+    table, starts, ctx = random_batch(LENS, block_size, 64, torch.device("cpu"))
     k_cache = torch.randn(64, block_size, kv_heads, head_dim)
     v_cache = torch.randn(64, block_size, kv_heads, head_dim)
     t = int(starts[-1])
@@ -89,7 +52,7 @@ def test_paged_attention_matches_reference(tk, heads, kv_heads, head_dim, block_
     out = torch.full_like(q, float("nan"))
     tk.paged_attention(q, out, k_cache, v_cache, table, starts, ctx, max(n for n, _ in LENS),
                        head_dim ** -0.5, window)
-    ref = _reference(q, k_cache, v_cache, table, starts, ctx, head_dim ** -0.5, window)
+    ref = reference_attention(q, k_cache, v_cache, table, starts, ctx, head_dim ** -0.5, window)
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5), (out - ref).abs().max()
     assert torch.equal(out[-1], torch.zeros_like(out[-1]))  # no context: zeros, not NaN
 
