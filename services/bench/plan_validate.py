@@ -1,0 +1,81 @@
+"""``tandem plan --validate``: the plan's predictions against real servers on this machine.
+
+Each mix is started as ``tandem bench compare`` starts a system (``tandem serve`` in a
+subprocess, stopped before the next) and swept with the same request sequence, rates
+and SLO the plan simulated; prints predicted vs measured goodput with the error, and
+whether the plan's recommendation is the measured best (the same rule applied to the
+measured attainment).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import signal
+from pathlib import Path
+from typing import Any
+
+from services.bench import runinfo
+from services.bench import serve as serve_bench
+
+
+def error(predicted: float, measured: float) -> float | None:
+    """Relative error of a prediction (None when nothing was measured)."""
+    return predicted / measured - 1.0 if measured else None
+
+
+def validate(args: argparse.Namespace, prof: dict[str, Any], mixes: list[Any], predicted: list[dict[str, Any]],
+             rates: list[float], target_rate: float, out_dir: Path) -> dict[str, Any]:
+    """Measure every mix; the validation block of ``plan.json``."""
+    from services.bench.launcher import TandemServer
+    from services.bench.plan import recommend
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)  # unwinds through the server's `with`: it is stopped too
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    model = prof["model"]["path"]
+    bench_args = argparse.Namespace(**{**vars(args), "tokenizer": args.tokenizer or model})
+    wl = dataclasses.replace(serve_bench.plan(bench_args), rates=rates)
+    threads = args.threads_per_worker or prof["worker"]["threads_per_worker"]
+    extra = list(args.server_arg) + ([f"--prefill-nice={args.prefill_nice}"] if args.prefill_nice else [])
+    measured, rows = [], []
+    for mix, pred in zip(mixes, predicted):
+        load_before = runinfo.machine()["load_avg_at_start"]
+        server = TandemServer(model, mode="colocated" if mix.colocated else "disaggregated",
+                              prefill_workers=0 if mix.colocated else mix.prefill, decode_workers=mix.decode,
+                              threads_per_worker=threads, extra_args=extra,
+                              log_path=out_dir / f"measured-{mix.label}-server.log",
+                              startup_timeout_s=args.startup_timeout)
+        print(f"measuring {mix.label}: {' '.join(server.argv[3:])}", flush=True)
+        with server:
+            result = serve_bench.sweep(server.url, server.served_model_name, wl, bench_args, mix.label,
+                                       {**server.describe(), "model_path": model})
+        serve_bench.write(result, out_dir, not args.no_plots, stem=f"measured-{mix.label}-")
+        serve_bench.print_summary(result)
+        result["cores"] = pred["cores"]
+        measured.append(result)
+        p, m = pred["goodput"]["interpolated_rps"], result["goodput"]["interpolated_rps"]
+        rows.append({"mix": mix.label, "predicted_rps": p, "predicted_bounded": pred["goodput"]["bounded"],
+                     "measured_rps": m, "measured_bounded": result["goodput"]["bounded"], "error": error(p, m),
+                     "load_avg_before": load_before, "load_avg_after": runinfo.machine()["load_avg_at_start"]})
+    best_pred = recommend(predicted, target_rate, wl.slo.attainment)
+    best_meas = recommend(measured, target_rate, wl.slo.attainment)
+    out = {"rows": rows, "recommended": best_pred["label"] if best_pred else None,
+           "measured_best": best_meas["label"] if best_meas else None,
+           "measured_ranking": [r["label"] for r in sorted(measured, key=lambda r: -r["goodput"]["interpolated_rps"])]}
+    print_validation(out)
+    return out
+
+
+def print_validation(v: dict[str, Any]) -> None:
+    print()
+    print(runinfo.machine_line())
+    print(f"{'mix':>13} {'predicted':>10} {'measured':>10} {'error':>7}   load avg (1 min) before/after")
+    for r in v["rows"]:
+        err = serve_bench.fmt_num(None if r["error"] is None else 100 * r["error"], "+.0f")
+        print(f"{r['mix']:>13} {r['predicted_rps']:>9.2f}{'' if r['predicted_bounded'] else '+'} "
+              f"{r['measured_rps']:>9.2f}{'' if r['measured_bounded'] else '+'} {err + '%':>7}   "
+              f"{r['load_avg_before'][0]:.2f}/{r['load_avg_after'][0]:.2f}")
+    print(f"recommended (predicted): {v['recommended']}; best by the same rule, measured: {v['measured_best']}; "
+          f"measured goodput ranking: {', '.join(v['measured_ranking'])}")
