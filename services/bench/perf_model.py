@@ -72,6 +72,9 @@ class PrefillModel:
             pairs = attention_pairs(int(tokens))
         return self.base + self.per_token * tokens + self.per_pair * pairs
 
+    def scaled(self, f: float) -> PrefillModel:
+        return PrefillModel(self.base * f, self.per_token * f, self.per_pair * f)
+
     def to_json(self) -> dict[str, Any]:
         return {"base": self.base, "per_token": self.per_token, "per_pair": self.per_pair}
 
@@ -102,6 +105,9 @@ class DecodeModel:
     def marginal(self, batch: int, context: float) -> float:
         """The decodes' cost when they ride along a prefill chunk (no fixed cost)."""
         return self.per_seq * batch + self.per_ctx * context
+
+    def scaled(self, f: float) -> DecodeModel:
+        return DecodeModel(self.base * f, self.per_seq * f, self.per_ctx * f)
 
     def to_json(self) -> dict[str, Any]:
         return {"base": self.base, "per_seq": self.per_seq, "per_ctx": self.per_ctx}
@@ -145,6 +151,10 @@ class StepModel:
 
     prefill: PrefillModel
     decode: DecodeModel
+
+    def scaled(self, f: float) -> StepModel:
+        """Every step ``f`` times as long (e.g. back to a quiet machine from a busy one)."""
+        return StepModel(self.prefill.scaled(f), self.decode.scaled(f))
 
     def step(self, prefill_tokens: int, prefill_pairs: float, decode_batch: int, decode_context: float) -> float:
         """Seconds of one engine step computing prompt chunks (``prefill_pairs``: their attention

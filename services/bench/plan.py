@@ -66,10 +66,21 @@ def all_mixes(max_workers: int) -> list[Mix]:
     return sorted(out, key=lambda m: (m.workers, m.colocated, -m.prefill))
 
 
-def models(prof: dict[str, Any]) -> tuple[StepModel, TransferModel | None, Engine]:
-    """The fitted step and transfer models and the engine limits of a profile."""
+def quiet_factor(prof: dict[str, Any]) -> float:
+    """How much faster the profiled steps run on a quiet machine: the share of the cores the
+    profiled worker's threads got next to the other runnable threads measured meanwhile."""
+    bg = (prof.get("background") or {}).get("runnable_threads_mean") or 0.0
+    threads = prof["worker"]["threads_per_worker"]
+    return min(1.0, prof["hardware"]["cores"] / (threads + bg))
+
+
+def models(prof: dict[str, Any], quiet: bool = True) -> tuple[StepModel, TransferModel | None, Engine]:
+    """The fitted step and transfer models and the engine limits of a profile; ``quiet``:
+    step times scaled to a machine without the profile's background load."""
     f, e = prof["fit"], prof["engine"]
     steps = StepModel(PrefillModel.from_json(f["prefill"]), DecodeModel.from_json(f["decode"]))
+    if quiet:
+        steps = steps.scaled(quiet_factor(prof))
     transfer = TransferModel.from_json(f["transfer"]) if "transfer" in f else None
     engine = Engine(e["max_num_batched_tokens"], e["max_num_seqs"], e["block_size"], e["num_blocks"],
                     e["kv_bytes_per_token"])
@@ -86,7 +97,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cores", type=float, default=None, help="cores the workers share (default: the profile's)")
     p.add_argument("--threads-per-worker", type=int, default=None, help="default: the profile's")
     p.add_argument("--prefill-nice", type=int, default=0, help="as `tandem serve --prefill-nice`")
-    p.add_argument("--background-cores", type=float, default=0.0, help="cores other processes keep busy")
+    p.add_argument("--background-cores", type=float, default=0.0,
+                   help="threads other processes keep runnable on the workers' cores")
+    p.add_argument("--keep-profile-load", action="store_true", help="use the profiled step times as measured "
+                   "(default: scaled back to a quiet machine from the load other processes put on it meanwhile)")
     p.add_argument("--frontend-ms-per-token", type=float, default=0.5,
                    help="CPU the gateway and the load generator spend per streamed token (ms; they share "
                    "the workers' cores on one host; 0 when they run elsewhere)")
@@ -112,7 +126,7 @@ def _requests(args: argparse.Namespace, rate_index: int, rate: float, seed: int)
 def simulate(mix: Mix, args: argparse.Namespace, rates: list[float], slo: SLO, prof: dict[str, Any],
              hw: Hardware) -> dict[str, Any]:
     """One mix over the sweep: a results dict shaped like ``tandem bench serve``'s (no per-request list)."""
-    steps, transfer, engine = models(prof)
+    steps, transfer, engine = models(prof, not args.keep_profile_load)
     runs = []
     for k, rate in enumerate(rates):
         records, duration = [], 0.0
@@ -215,7 +229,7 @@ def main(args: argparse.Namespace) -> int:
     if args.validate:
         from services.bench.plan_validate import validate
 
-        summary["validation"] = validate(args, prof, mixes, results, rates, target_rate, out_dir)
+        summary["validation"] = validate(args, prof, mixes, results, rates, target_rate, hw, out_dir)
     (out_dir / "plan.json").write_text(json.dumps(summary, indent=1, allow_nan=False))
     print(f"results: {out_dir / 'plan.json'}")
     return 0 if best is not None else 1

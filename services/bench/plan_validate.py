@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import signal
 from pathlib import Path
 from typing import Any
@@ -25,10 +26,12 @@ def error(predicted: float, measured: float) -> float | None:
 
 
 def validate(args: argparse.Namespace, prof: dict[str, Any], mixes: list[Any], predicted: list[dict[str, Any]],
-             rates: list[float], target_rate: float, out_dir: Path) -> dict[str, Any]:
-    """Measure every mix; the validation block of ``plan.json``."""
+             rates: list[float], target_rate: float, hw: Any, out_dir: Path) -> dict[str, Any]:
+    """Measure every mix, and predict it again under the background load measured meanwhile;
+    the validation block of ``plan.json``."""
+    from services.bench.cpu_load import BackgroundSampler
     from services.bench.launcher import TandemServer
-    from services.bench.plan import recommend
+    from services.bench.plan import recommend, simulate
 
     def on_sigterm(signum: int, frame: object) -> None:
         raise SystemExit(128 + signum)  # unwinds through the server's `with`: it is stopped too
@@ -39,7 +42,7 @@ def validate(args: argparse.Namespace, prof: dict[str, Any], mixes: list[Any], p
     wl = dataclasses.replace(serve_bench.plan(bench_args), rates=rates)
     threads = args.threads_per_worker or prof["worker"]["threads_per_worker"]
     extra = list(args.server_arg) + ([f"--prefill-nice={args.prefill_nice}"] if args.prefill_nice else [])
-    measured, rows = [], []
+    measured, loaded, rows = [], [], []
     for mix, pred in zip(mixes, predicted):
         load_before = runinfo.machine()["load_avg_at_start"]
         server = TandemServer(model, mode="colocated" if mix.colocated else "disaggregated",
@@ -49,19 +52,30 @@ def validate(args: argparse.Namespace, prof: dict[str, Any], mixes: list[Any], p
                               startup_timeout_s=args.startup_timeout)
         print(f"measuring {mix.label}: {' '.join(server.argv[3:])}", flush=True)
         with server:
-            result = serve_bench.sweep(server.url, server.served_model_name, wl, bench_args, mix.label,
-                                       {**server.describe(), "model_path": model})
+            sampler = BackgroundSampler(lambda: [os.getpid(), server.proc.pid if server.proc else os.getpid()])
+            with sampler:
+                result = serve_bench.sweep(server.url, server.served_model_name, wl, bench_args, mix.label,
+                                           {**server.describe(), "model_path": model})
+        bg = sampler.stop() or 0.0
+        under_load = simulate(mix, args, rates, wl.slo, prof, dataclasses.replace(hw, background_cores=bg))
+        loaded.append(under_load)
+        as_profiled = simulate(mix, argparse.Namespace(**{**vars(args), "keep_profile_load": True}), rates,
+                               wl.slo, prof, dataclasses.replace(hw, background_cores=0.0))
         serve_bench.write(result, out_dir, not args.no_plots, stem=f"measured-{mix.label}-")
         serve_bench.print_summary(result)
         result["cores"] = pred["cores"]
         measured.append(result)
-        p, m = pred["goodput"]["interpolated_rps"], result["goodput"]["interpolated_rps"]
-        rows.append({"mix": mix.label, "predicted_rps": p, "predicted_bounded": pred["goodput"]["bounded"],
+        p, m = under_load["goodput"]["interpolated_rps"], result["goodput"]["interpolated_rps"]
+        q = as_profiled["goodput"]["interpolated_rps"]
+        rows.append({"mix": mix.label, "quiet_predicted_rps": pred["goodput"]["interpolated_rps"],
+                     "as_profiled_rps": q, "as_profiled_error": error(q, m),
+                     "background_threads": bg, "predicted_rps": p,
+                     "predicted_bounded": under_load["goodput"]["bounded"],
                      "measured_rps": m, "measured_bounded": result["goodput"]["bounded"], "error": error(p, m),
                      "load_avg_before": load_before, "load_avg_after": runinfo.machine()["load_avg_at_start"]})
-    best_pred = recommend(predicted, target_rate, wl.slo.attainment)
+    best_pred = recommend(loaded, target_rate, wl.slo.attainment)
     best_meas = recommend(measured, target_rate, wl.slo.attainment)
-    out = {"rows": rows, "recommended": best_pred["label"] if best_pred else None,
+    out = {"rows": rows, "recommended_under_load": best_pred["label"] if best_pred else None,
            "measured_best": best_meas["label"] if best_meas else None,
            "measured_ranking": [r["label"] for r in sorted(measured, key=lambda r: -r["goodput"]["interpolated_rps"])]}
     print_validation(out)
@@ -71,11 +85,19 @@ def validate(args: argparse.Namespace, prof: dict[str, Any], mixes: list[Any], p
 def print_validation(v: dict[str, Any]) -> None:
     print()
     print(runinfo.machine_line())
-    print(f"{'mix':>13} {'predicted':>10} {'measured':>10} {'error':>7}   load avg (1 min) before/after")
+    print("goodput (req/s; + = every rate met the SLO) predicted: on a quiet machine; with the step times as "
+          "profiled (the load then); under the background measured during the run (other processes' runnable "
+          "threads, bg); and measured, with the errors of the last two predictions")
+    print(f"{'mix':>13} {'quiet':>7} {'profiled':>8} {'error':>6} {'bg thr':>6} {'predicted':>10} {'measured':>10} "
+          f"{'error':>7}   load avg (1 min) before/after")
+    pct = lambda e: serve_bench.fmt_num(None if e is None else 100 * e, "+.0f") + "%"  # noqa: E731
     for r in v["rows"]:
-        err = serve_bench.fmt_num(None if r["error"] is None else 100 * r["error"], "+.0f")
-        print(f"{r['mix']:>13} {r['predicted_rps']:>9.2f}{'' if r['predicted_bounded'] else '+'} "
+        err = pct(r["error"])[:-1]
+        print(f"{r['mix']:>13} {r['quiet_predicted_rps']:>7.2f} {r['as_profiled_rps']:>8.2f} "
+              f"{pct(r['as_profiled_error']):>6} {r['background_threads']:>6.1f} "
+              f"{r['predicted_rps']:>9.2f}{'' if r['predicted_bounded'] else '+'} "
               f"{r['measured_rps']:>9.2f}{'' if r['measured_bounded'] else '+'} {err + '%':>7}   "
               f"{r['load_avg_before'][0]:.2f}/{r['load_avg_after'][0]:.2f}")
-    print(f"recommended (predicted): {v['recommended']}; best by the same rule, measured: {v['measured_best']}; "
+    print(f"recommended (predicted under that load): {v['recommended_under_load']}; best by the same rule, "
+          f"measured: {v['measured_best']}; "
           f"measured goodput ranking: {', '.join(v['measured_ranking'])}")

@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +29,19 @@ from services.bench import runinfo
 from services.bench.perf_model import DecodeModel, PrefillModel, StepModel, TransferModel, attention_pairs
 
 SCHEMA = "tandem.profile/v1"
-PREFILL_TOKENS = (16, 64, 128, 256, 512, 1024, 2048)
-PREFILL_BATCHES = ((4, 64), (8, 128), (4, 256))  # (prompts, tokens each) in one step
-DECODE_SETUPS = ((1, 32), (1, 1024), (4, 32), (4, 512), (16, 32), (16, 256), (48, 32), (48, 128), (8, 1024))
-MIXED_SETUPS = {(4, 512): (128, 512, 1024), (16, 256): (128, 512, 1024)}  # decodes + prefill chunk sizes
-TRANSFER_MB = (0.25, 1.0, 4.0, 16.0)
 
+
+@dataclass(frozen=True)
+class Grid:
+    """What is timed: coarse, so that a whole profile takes ~1.5 minutes on 2 cores (bench model)."""
+
+    prefill_tokens: tuple[int, ...] = (16, 64, 128, 256, 512, 1024, 2048)  # one prompt per step
+    prefill_batches: tuple[tuple[int, int], ...] = ((4, 64), (8, 128), (4, 256))  # (prompts, tokens each)
+    decode_setups: tuple[tuple[int, int], ...] = ((1, 32), (1, 1024), (4, 32), (4, 512), (16, 32), (16, 256),
+                                                  (48, 32), (48, 128), (8, 1024))  # (batch, prompt tokens)
+    mixed_setups: tuple[tuple[int, int, tuple[int, ...]], ...] = (
+        (4, 512, (128, 512, 1024)), (16, 256, (128, 512, 1024)))  # decodes + prefill chunk sizes
+    transfer_mb: tuple[float, ...] = (0.25, 1.0, 4.0, 16.0)
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="local HF folder (default: the embedded `bench` checkpoint)")
@@ -63,6 +71,9 @@ class _Profiler:
         self.engine = LLMEngine(self.config)
         self.rng = np.random.default_rng(seed)
         self.n = 0
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def limits(self) -> dict[str, Any]:
         e, mc = self.engine, self.engine.model_config
@@ -97,6 +108,9 @@ class _Profiler:
 
     def prefill(self, tokens: list[int], batches: list[tuple[int, int]], repeats: int) -> list[dict]:
         """One timed step per point: the whole prompt(s) in one step, then finished."""
+        budget = self.engine.config.scheduler.max_num_batched_tokens
+        if max([*tokens, *(b * n for b, n in batches)]) > budget:
+            raise ValueError(f"a timed prefill step holds at most max_num_batched_tokens={budget} tokens")
         self._add(64, 1), self._timed_step()  # warm-up
         self._add(512, 1), self._timed_step()
         out = []
@@ -112,9 +126,10 @@ class _Profiler:
         self._drain()
         return out
 
-    def decode(self, setups: list[tuple[int, int]], mixed: dict[tuple[int, int], tuple[int, ...]],
+    def decode(self, setups: list[tuple[int, int]], mixed_setups: list[tuple[int, int, tuple[int, ...]]],
                repeats: int) -> tuple[list[dict], list[dict]]:
-        """Decode steps of each (batch, prompt length); mixed steps where ``mixed`` says."""
+        """Decode steps of each (batch, prompt length); mixed steps where ``mixed_setups`` says."""
+        mixed = {(b, n): sizes for b, n, sizes in mixed_setups}
         sched = self.engine.scheduler
         points, mixed_points = [], []
         for b, length in setups:
@@ -137,24 +152,35 @@ class _Profiler:
 
 
 def measure(model: str, threads: int, prefill_nice: int, repeats: int, transfer: bool,
-            progress=print) -> dict[str, Any]:
+            progress=print, grid: Grid = Grid()) -> dict[str, Any]:
     """The profile dict (schema ``SCHEMA``); Ray must be running."""
     import ray
 
+    from services.bench.cpu_load import BackgroundSampler
+
     actor_cls = ray.remote(_Profiler)
-    progress(f"prefill steps ({threads} thread(s), niceness {prefill_nice})")
-    pre = actor_cls.options(num_cpus=0).remote(model, threads, prefill_nice)
+    actor_pids: list[int] = []
+    sampler = BackgroundSampler(lambda: [os.getpid(), *actor_pids]).start()
     try:
-        limits = ray.get(pre.limits.remote())
-        prefill_points = ray.get(pre.prefill.remote(list(PREFILL_TOKENS), list(PREFILL_BATCHES), repeats))
+        progress(f"prefill steps ({threads} thread(s), niceness {prefill_nice})")
+        pre = actor_cls.options(num_cpus=0).remote(model, threads, prefill_nice)
+        try:
+            actor_pids[:] = [ray.get(pre.pid.remote())]
+            limits = ray.get(pre.limits.remote())
+            prefill_points = ray.get(pre.prefill.remote(list(grid.prefill_tokens), list(grid.prefill_batches),
+                                                        repeats))
+        finally:
+            ray.kill(pre)
+        progress("decode and mixed steps")
+        dec = actor_cls.options(num_cpus=0).remote(model, threads, 0)
+        try:
+            actor_pids[:] = [ray.get(dec.pid.remote())]
+            decode_points, mixed_points = ray.get(dec.decode.remote(list(grid.decode_setups),
+                                                                     list(grid.mixed_setups), repeats))
+        finally:
+            ray.kill(dec)
     finally:
-        ray.kill(pre)
-    progress("decode and mixed steps")
-    dec = actor_cls.options(num_cpus=0).remote(model, threads, 0)
-    try:
-        decode_points, mixed_points = ray.get(dec.decode.remote(list(DECODE_SETUPS), MIXED_SETUPS, repeats))
-    finally:
-        ray.kill(dec)
+        background = sampler.stop()
     out: dict[str, Any] = {
         "schema": SCHEMA, "meta": runinfo.describe(),
         "hardware": {"cpu": runinfo.machine()["cpu"], "cores": len(os.sched_getaffinity(0)),
@@ -162,12 +188,14 @@ def measure(model: str, threads: int, prefill_nice: int, repeats: int, transfer:
         "model": limits.pop("model"), "engine": limits,
         "worker": {"threads_per_worker": threads, "prefill_nice": prefill_nice, "kind": f"cpu-{threads}t"},
         "points": {"prefill": prefill_points, "decode": decode_points, "mixed": mixed_points},
+        # runnable threads of other processes meanwhile: `tandem plan` scales the steps back to a quiet machine
+        "background": {"runnable_threads_mean": background, "samples": len(sampler.samples)},
     }
     if transfer:
         from services.bench.transfer import bandwidth
 
         progress("KV transfer (gloo, two actors)")
-        rows = bandwidth(model, list(TRANSFER_MB), max(3, repeats))
+        rows = bandwidth(model, list(grid.transfer_mb), max(3, repeats))
         tpoints = [{"bytes": r["mb"] * 2**20, "seconds": r["mb"] * 2**20 / (r["kv_per_layer_gb_s"] * 1e9)}
                    for r in rows]
         out["points"]["transfer"] = tpoints
@@ -191,6 +219,9 @@ def fit(prof: dict[str, Any]) -> dict[str, Any]:
 def print_profile(prof: dict[str, Any]) -> None:
     f = prof["fit"]
     print(runinfo.machine_line())
+    bg = prof.get("background", {}).get("runnable_threads_mean")
+    if bg is not None:
+        print(f"other processes kept {bg:.1f} threads runnable on average while the steps were timed")
     print(f"model {prof['model']['path']} ({prof['engine']['dtype']}), {prof['worker']['threads_per_worker']} "
           f"thread(s) per worker; budget {prof['engine']['max_num_batched_tokens']} tokens per step")
     pre = PrefillModel.from_json(f["prefill"])
