@@ -27,6 +27,15 @@ def runnable_threads() -> int | None:
     return None
 
 
+def process_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds a process has used (its threads, not its children); None if gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _children() -> dict[int, list[int]]:
     kids: dict[int, list[int]] = {}
     for d in Path("/proc").iterdir():

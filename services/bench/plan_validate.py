@@ -29,7 +29,7 @@ def validate(args: argparse.Namespace, prof: dict[str, Any], mixes: list[Any], p
              rates: list[float], target_rate: float, hw: Any, out_dir: Path) -> dict[str, Any]:
     """Measure every mix, and predict it again under the background load measured meanwhile;
     the validation block of ``plan.json``."""
-    from services.bench.cpu_load import BackgroundSampler
+    from services.bench.cpu_load import BackgroundSampler, process_cpu_seconds
     from services.bench.launcher import TandemServer
     from services.bench.plan import recommend, simulate
 
@@ -53,11 +53,18 @@ def validate(args: argparse.Namespace, prof: dict[str, Any], mixes: list[Any], p
         print(f"measuring {mix.label}: {' '.join(server.argv[3:])}", flush=True)
         with server:
             sampler = BackgroundSampler(lambda: [os.getpid(), server.proc.pid if server.proc else os.getpid()])
+            gateway_pid = server.proc.pid if server.proc else os.getpid()
+            cpu0 = process_cpu_seconds(gateway_pid) or 0.0
             with sampler:
                 result = serve_bench.sweep(server.url, server.served_model_name, wl, bench_args, mix.label,
                                            {**server.describe(), "model_path": model})
+            gateway_cpu = (process_cpu_seconds(gateway_pid) or cpu0) - cpu0
         bg = sampler.stop() or 0.0
-        under_load = simulate(mix, args, rates, wl.slo, prof, dataclasses.replace(hw, background_cores=bg))
+        tokens = sum(run["summary"]["output_tokens"] for run in result["runs"])
+        client_cpu = sum(run["client_cpu_s"] for run in result["runs"])
+        frontend = (gateway_cpu + client_cpu) / tokens if tokens else hw.frontend_s_per_token
+        under_load = simulate(mix, args, rates, wl.slo, prof, dataclasses.replace(
+            hw, background_cores=bg, frontend_s_per_token=frontend))
         loaded.append(under_load)
         as_profiled = simulate(mix, argparse.Namespace(**{**vars(args), "keep_profile_load": True}), rates,
                                wl.slo, prof, dataclasses.replace(hw, background_cores=0.0))
@@ -69,7 +76,7 @@ def validate(args: argparse.Namespace, prof: dict[str, Any], mixes: list[Any], p
         q = as_profiled["goodput"]["interpolated_rps"]
         rows.append({"mix": mix.label, "quiet_predicted_rps": pred["goodput"]["interpolated_rps"],
                      "as_profiled_rps": q, "as_profiled_error": error(q, m),
-                     "background_threads": bg, "predicted_rps": p,
+                     "background_threads": bg, "frontend_ms_per_token": 1e3 * frontend, "predicted_rps": p,
                      "predicted_bounded": under_load["goodput"]["bounded"],
                      "measured_rps": m, "measured_bounded": result["goodput"]["bounded"], "error": error(p, m),
                      "load_avg_before": load_before, "load_avg_after": runinfo.machine()["load_avg_at_start"]})
@@ -87,14 +94,16 @@ def print_validation(v: dict[str, Any]) -> None:
     print(runinfo.machine_line())
     print("goodput (req/s; + = every rate met the SLO) predicted: on a quiet machine; with the step times as "
           "profiled (the load then); under the background measured during the run (other processes' runnable "
-          "threads, bg); and measured, with the errors of the last two predictions")
-    print(f"{'mix':>13} {'quiet':>7} {'profiled':>8} {'error':>6} {'bg thr':>6} {'predicted':>10} {'measured':>10} "
+          "threads, bg) with the gateway's and client's CPU per token measured then (fe ms); and measured, with the "
+          "errors of the last two predictions")
+    print(f"{'mix':>13} {'quiet':>7} {'profiled':>8} {'error':>6} {'bg thr':>6} {'fe ms':>5} {'predicted':>10} "
+          f"{'measured':>10} "
           f"{'error':>7}   load avg (1 min) before/after")
     pct = lambda e: serve_bench.fmt_num(None if e is None else 100 * e, "+.0f") + "%"  # noqa: E731
     for r in v["rows"]:
         err = pct(r["error"])[:-1]
         print(f"{r['mix']:>13} {r['quiet_predicted_rps']:>7.2f} {r['as_profiled_rps']:>8.2f} "
-              f"{pct(r['as_profiled_error']):>6} {r['background_threads']:>6.1f} "
+              f"{pct(r['as_profiled_error']):>6} {r['background_threads']:>6.1f} {r['frontend_ms_per_token']:>5.2f} "
               f"{r['predicted_rps']:>9.2f}{'' if r['predicted_bounded'] else '+'} "
               f"{r['measured_rps']:>9.2f}{'' if r['measured_bounded'] else '+'} {err + '%':>7}   "
               f"{r['load_avg_before'][0]:.2f}/{r['load_avg_after'][0]:.2f}")

@@ -137,3 +137,26 @@ def test_tandem_plan_rejects_bad_input(tmp_path, capsys):
                 "--out-dir", str(tmp_path / "o")]) == 2
     assert "no KV transfer part" in capsys.readouterr().err
     assert cli(["plan", "--profile", no_transfer, "--preset", "chat", "--mixes", "2Q", "--no-plots"]) == 2
+
+
+def test_background_sampler_leaves_out_our_own_threads():
+    import os
+    import threading
+
+    from services.bench.cpu_load import BackgroundSampler, own_runnable_threads, process_cpu_seconds
+
+    stop = threading.Event()
+    spinner = threading.Thread(target=lambda: [None for _ in iter(stop.is_set, True)], daemon=True)
+    spinner.start()  # one of our threads busy on a core
+    try:
+        assert own_runnable_threads([os.getpid()]) >= 1
+        sampler = BackgroundSampler(interval_s=0.01)
+        sampler.start()
+        while len(sampler.samples) < 3:
+            stop.wait(0.01)
+        assert sampler.stop() >= 0.0
+    finally:
+        stop.set()
+        spinner.join()
+    assert process_cpu_seconds(os.getpid()) > 0
+    assert process_cpu_seconds(2**22 + 12345) is None  # no such process
