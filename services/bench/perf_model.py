@@ -15,6 +15,7 @@ transfer costs. Pure numpy; ``tandem plan``'s simulator evaluates them millions 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -120,29 +121,31 @@ class DecodeModel:
 @dataclass(frozen=True)
 class TransferModel:
     latency: float
-    bytes_per_s: float
+    seconds_per_byte: float
 
     @classmethod
     def fit(cls, points: Sequence[dict[str, Any]]) -> TransferModel:
-        """``points``: ``{"bytes", "seconds"}``; needs two sizes at least."""
+        """``points``: ``{"bytes", "seconds"}``; needs two sizes at least. A noisy profile whose
+        times do not grow with the size gets a pure latency (no negative bandwidth term)."""
         med = _median_by(points, ("bytes",))
         if len(med) < 2:
             raise ValueError("a transfer fit needs at least two sizes")
-        x = np.array([b for (b,) in med])
-        y = np.array(list(med.values()))
-        slope, icpt = np.polyfit(x, y, 1)
-        slope = max(float(slope), 1e-15)
-        return cls(max(0.0, float(icpt)), 1.0 / slope)
+        a = np.array([[1.0, b] for (b,) in med])
+        return cls(*map(float, _lstsq_nonneg(a, np.array(list(med.values())))))
 
     def __call__(self, nbytes: float) -> float:
-        return self.latency + nbytes / self.bytes_per_s
+        return self.latency + nbytes * self.seconds_per_byte
+
+    @property
+    def bytes_per_s(self) -> float:
+        return 1.0 / self.seconds_per_byte if self.seconds_per_byte > 0 else math.inf
 
     def to_json(self) -> dict[str, Any]:
-        return {"latency_s": self.latency, "bytes_per_s": self.bytes_per_s}
+        return {"latency_s": self.latency, "seconds_per_byte": self.seconds_per_byte}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> TransferModel:
-        return cls(d["latency_s"], d["bytes_per_s"])
+        return cls(d["latency_s"], d["seconds_per_byte"])
 
 
 @dataclass(frozen=True)

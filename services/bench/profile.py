@@ -238,19 +238,24 @@ def print_profile(prof: dict[str, Any]) -> None:
               f"{sum(errs) / len(errs):.0%}, max {max(errs):.0%} over {len(errs)} steps")
     if "transfer" in f:
         t = f["transfer"]
-        print(f"KV transfer: {1e3 * t['latency_s']:.2f} ms + {t['bytes_per_s'] / 1e9:.2f} GB/s "
+        bw = TransferModel.from_json(t).bytes_per_s
+        print(f"KV transfer: {1e3 * t['latency_s']:.2f} ms + bytes at {bw / 1e9:.2f} GB/s "
               f"({prof['engine']['kv_bytes_per_token']} bytes per token)")
 
 
 def load(path: str | Path) -> dict[str, Any]:
-    """A saved profile; ValueError when it is not one."""
+    """A saved profile, its models fitted again from its points (the points are the record;
+    the saved fits are for reading); ValueError when it is not one."""
     try:
         prof = json.loads(Path(path).read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not JSON: {e}") from None
     if not isinstance(prof, dict) or prof.get("schema") != SCHEMA:
         raise ValueError(f"{path} is not a tandem profile (schema {SCHEMA})")
-    return prof
+    try:
+        return fit(prof)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path}: a tandem profile without usable points ({e})") from None
 
 
 def main(args: argparse.Namespace) -> int:

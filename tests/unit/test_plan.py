@@ -45,6 +45,8 @@ def test_transfer_fit_is_latency_plus_bandwidth():
     assert t.bytes_per_s == pytest.approx(1e9, rel=1e-6)
     with pytest.raises(ValueError, match="two sizes"):
         TransferModel.fit(pts[:1])
+    flat = TransferModel.fit([{"bytes": 2**18, "seconds": 0.03}, {"bytes": 2**24, "seconds": 0.02}])
+    assert flat.seconds_per_byte == 0.0 and flat(2**24) == pytest.approx(0.025)  # noise: latency only
 
 
 def test_mixes_parse_and_enumerate():

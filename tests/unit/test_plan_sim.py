@@ -17,7 +17,7 @@ def steps(prefill_s: float = 0.1, per_token: float = 0.0, decode_base: float = 0
 
 
 def simulate(requests, *, prefill=1, decode=1, colocated=False, model=None, cores=8.0, budget=2048,
-             transfer=TransferModel(0.005, 1e6), threads=1, prefill_nice=0):
+             transfer=TransferModel(0.005, 1e-6), threads=1, prefill_nice=0):
     sim = Simulation(requests, prefill=prefill, decode=decode, colocated=colocated, steps=model or steps(),
                      transfer=transfer, engine=Engine(budget, 256, 16, 100_000, KV_BYTES),
                      hardware=Hardware(cores, threads, prefill_nice))
@@ -54,7 +54,7 @@ def test_decode_batch_tpot_is_the_profiled_step_time():
 
 def test_one_disaggregated_request_adds_the_transfer_before_token_two():
     model = steps(prefill_s=0.2, decode_base=0.02, per_ctx=1e-5)
-    transfer = TransferModel(0.004, 2e6)
+    transfer = TransferModel(0.004, 1 / 2e6)
     prompt, out = 100, 5
     (r,) = simulate([req(1.0, prompt, out)], model=model, transfer=transfer)
     xfer = 0.004 + prompt * KV_BYTES / 2e6
