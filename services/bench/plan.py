@@ -144,7 +144,8 @@ def simulate(mix: Mix, args: argparse.Namespace, rates: list[float], slo: SLO, p
 
 def recommend(results: list[dict[str, Any]], target_rate: float, target: float) -> dict[str, Any] | None:
     """The cheapest result (cores) whose attainment at ``target_rate`` reaches ``target``;
-    ties go to the higher goodput. None when no mix meets it."""
+    ties go to the higher goodput, then the higher attainment at ``target_rate``. None when
+    no mix meets it."""
     def at_target(r: dict[str, Any]) -> float:
         run = next(x for x in r["runs"] if x["rate"] == target_rate)
         return run["summary"]["attainment"]["both"] or 0.0
@@ -152,7 +153,7 @@ def recommend(results: list[dict[str, Any]], target_rate: float, target: float) 
     ok = [r for r in results if at_target(r) >= target]
     if not ok:
         return None
-    return min(ok, key=lambda r: (r["cores"], -r["goodput"]["interpolated_rps"], r["label"]))
+    return min(ok, key=lambda r: (r["cores"], -r["goodput"]["interpolated_rps"], -at_target(r), r["label"]))
 
 
 def helm_values(mix: Mix, note: str) -> str:

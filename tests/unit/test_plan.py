@@ -73,6 +73,8 @@ def test_recommend_picks_the_cheapest_mix_meeting_the_slo():
     assert recommend(results, 3.0, 0.9)["label"] == "colocated×2"
     assert recommend(results, 3.0, 0.99)["label"] == "2P+1D"
     assert recommend(results[:1], 3.0, 0.9) is None
+    tie = [_result("1P+1D", 2, {3.0: 0.92}, 3.0), _result("colocated×2", 2, {3.0: 0.97}, 3.0)]
+    assert recommend(tie, 3.0, 0.9)["label"] == "colocated×2"  # same cost and goodput: more attainment
 
 
 def test_helm_values_set_the_worker_groups():
