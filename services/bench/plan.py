@@ -26,7 +26,8 @@ from services.bench import serve as serve_bench
 from services.bench.arrivals import arrival_offsets
 from services.bench.metrics_math import SLO, goodput, summarize
 from services.bench.perf_model import DecodeModel, PrefillModel, StepModel, TransferModel
-from services.bench.plan_sim import Engine, Hardware, SimRequest, Simulation
+from services.bench.cpu_share import Hardware
+from services.bench.plan_sim import Engine, SimRequest, Simulation
 
 SCHEMA = "tandem.plan/v1"
 _MIX = re.compile(r"^(?:(\d+)P\+(\d+)D|colocated[x×*](\d+))$", re.IGNORECASE)
@@ -200,8 +201,8 @@ def main(args: argparse.Namespace) -> int:
     best = recommend(results, target_rate, wl.slo.attainment)
     slo = wl.slo.to_json()
     print(f"== plan: {wl.name}, {args.arrival} arrivals at {', '.join(f'{r:g}' for r in rates)} req/s, "
-          f"{args.repeats} x {wl.config['requests_per_rate']} requests per rate; SLO TTFT {serve_bench.fmt_num(slo['ttft_ms'])}"
-          f" ms, TPOT {serve_bench.fmt_num(slo['tpot_ms'])} ms at {slo['attainment']:.0%}")
+          f"{args.repeats} x {wl.config['requests_per_rate']} requests per rate; "
+          f"SLO TTFT {serve_bench.fmt_num(slo['ttft_ms'])} ms, TPOT {serve_bench.fmt_num(slo['tpot_ms'])} ms at {slo['attainment']:.0%}")
     print(f"profile: {prof['hardware']['cpu']}, {threads} thread(s) per worker on {cores:g} cores "
           f"(predicted; + = every rate met the SLO, sweep higher)")
     print_table(results, target_rate, best)

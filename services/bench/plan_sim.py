@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.bench.cpu_share import Hardware, Job, nice_weight, share_cores
 from services.bench.perf_model import StepModel, TransferModel, attention_pairs
 from services.router.config import RouterConfig
 from services.router.errors import ClusterFullError, PromptTooLargeError
@@ -49,17 +50,6 @@ class SimRequest:
     prompt: tuple[int, ...]
     output_len: int
     kind: str = ""
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """What the workers run on: ``cores`` shared by all, ``threads`` per worker."""
-
-    cores: float
-    threads: int = 1
-    prefill_nice: int = 0
-    background_cores: float = 0.0
-    frontend_s_per_token: float = 0.0  # CPU the gateway and client spend per streamed token
 
 
 @dataclass(frozen=True)
@@ -85,20 +75,10 @@ class _Seq:
     decode_worker: SimWorker | None = None  # disaggregated: where its KV goes
 
 
-@dataclass
-class _Job:
-    """A CPU consumer: ``remaining`` seconds of work at full speed, wanting ``threads`` cores."""
-
-    threads: float
-    weight: float
-    remaining: float = 0.0
-    rate: float = 0.0
-
-
 class SimWorker:
     """One worker: its queues, its step in progress, its load as the router sees it."""
 
-    def __init__(self, worker_id: str, role: str, engine: Engine, steps: StepModel, job: _Job) -> None:
+    def __init__(self, worker_id: str, role: str, engine: Engine, steps: StepModel, job: Job) -> None:
         self.worker_id, self.role, self.engine, self.steps, self.job = worker_id, role, engine, steps, job
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
@@ -149,32 +129,6 @@ class SimResult:
     busy_s: dict[str, float] = field(default_factory=dict)
 
 
-def share_cores(jobs: Sequence[_Job], cores: float) -> None:
-    """Set each busy job's ``rate`` (share of full speed): weighted fair sharing of ``cores``,
-    no thread above one core (water-filling)."""
-    open_ = [j for j in jobs if j.threads > 0]
-    for j in jobs:
-        j.rate = 0.0
-    cap = cores
-    while open_:
-        total = sum(j.threads * j.weight for j in open_)
-        level = cap / total if total > 0 else math.inf
-        full = [j for j in open_ if j.weight * level >= 1.0]
-        if not full:
-            for j in open_:
-                j.rate = j.weight * level
-            return
-        for j in full:
-            j.rate = 1.0
-            cap -= j.threads
-            open_.remove(j)
-
-
-def nice_weight(nice: int) -> float:
-    """Linux CFS: each niceness step is ~1.25x less CPU weight."""
-    return 1.25 ** -nice
-
-
 class Simulation:
     """``prefill`` prefill and ``decode`` decode workers (``colocated``: ``decode`` workers
     doing both) serving ``requests``; ``run()`` returns one record per request."""
@@ -194,11 +148,11 @@ class Simulation:
         self.workers: dict[str, SimWorker] = {}
         pw = nice_weight(hardware.prefill_nice)
         for i in range(0 if colocated else prefill):
-            self._add(SimWorker(f"prefill-{i}", PREFILL, engine, steps, _Job(0, pw)))
+            self._add(SimWorker(f"prefill-{i}", PREFILL, engine, steps, Job(0, pw)))
         for i in range(decode):
-            self._add(SimWorker(f"decode-{i}", BOTH if colocated else DECODE, engine, steps, _Job(0, 1.0)))
-        self.frontend = _Job(0, 1.0)
-        self.background = _Job(hardware.background_cores, 1.0, math.inf)
+            self._add(SimWorker(f"decode-{i}", BOTH if colocated else DECODE, engine, steps, Job(0, 1.0)))
+        self.frontend = Job(0, 1.0)
+        self.background = Job(hardware.background_cores, 1.0, math.inf)
         self.now = 0.0
         self._events: list[tuple[float, int, str, Any]] = []
         self._n = 0
@@ -343,5 +297,5 @@ class Simulation:
         for i, rec in enumerate(self.records):
             if rec is None:
                 self._fail(i, "deadline", "still in flight when the simulation stopped")
-        return SimResult(self.records, self.now - min((r.arrival for r in self.requests), default=0.0),  # type: ignore[arg-type]
-                         self.num_steps, self.busy)
+        start = min((r.arrival for r in self.requests), default=0.0)
+        return SimResult(self.records, self.now - start, self.num_steps, self.busy)  # type: ignore[arg-type]

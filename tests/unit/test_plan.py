@@ -94,8 +94,10 @@ def test_prediction_error():
 def _profile(path, transfer: bool = True) -> str:
     pts = {"prefill": [{"tokens": n, "seqs": 1, "pairs": attention_pairs(n), "seconds": 0.01 + 4e-4 * n}
                        for n in (16, 256, 1024)],
-           "decode": [{"batch": b, "context": c, "seconds": 0.01 + 0.001 * b} for b, c in ((1, 64), (8, 512), (32, 64))],
-           "mixed": [], "transfer": [{"bytes": b, "seconds": 1e-3 + b / 1e9} for b in (2**20, 2**24)] if transfer else []}
+           "decode": [{"batch": b, "context": c, "seconds": 0.01 + 0.001 * b}
+                      for b, c in ((1, 64), (8, 512), (32, 64))],
+           "mixed": [],
+           "transfer": [{"bytes": b, "seconds": 1e-3 + b / 1e9} for b in (2**20, 2**24)] if transfer else []}
     prof = profile_mod.fit({
         "schema": profile_mod.SCHEMA, "hardware": {"cpu": "test CPU", "cores": 4, "device": "cpu"},
         "model": {"path": "unused"}, "worker": {"threads_per_worker": 1, "prefill_nice": 0},

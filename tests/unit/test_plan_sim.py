@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from services.bench.perf_model import DecodeModel, PrefillModel, StepModel, TransferModel
-from services.bench.plan_sim import Engine, Hardware, SimRequest, Simulation, _Job, nice_weight, share_cores
+from services.bench.cpu_share import Hardware, Job, nice_weight, share_cores
+from services.bench.plan_sim import Engine, SimRequest, Simulation
 
 KV_BYTES = 1000  # per token
 
@@ -83,16 +84,16 @@ def test_workers_sharing_a_core_run_at_half_speed():
 
 
 def test_share_cores_caps_threads_and_weighs_niceness():
-    a, b = _Job(1, 1.0), _Job(1, 1.0)
+    a, b = Job(1, 1.0), Job(1, 1.0)
     share_cores([a, b], 4)
     assert (a.rate, b.rate) == (1.0, 1.0)  # never above one core per thread
     share_cores([a, b], 1)
     assert (a.rate, b.rate) == pytest.approx((0.5, 0.5))
-    nice = _Job(1, nice_weight(10))
+    nice = Job(1, nice_weight(10))
     share_cores([a, nice], 1)
     assert a.rate == pytest.approx(1 / (1 + 1.25 ** -10))
     assert a.rate + nice.rate == pytest.approx(1.0)
-    idle = _Job(0, 1.0)
+    idle = Job(0, 1.0)
     share_cores([a, idle], 1)
     assert (a.rate, idle.rate) == (1.0, 0.0)
 
