@@ -29,7 +29,6 @@ def validate(args: argparse.Namespace, prof: dict[str, Any], mixes: list[Any], p
              rates: list[float], target_rate: float, hw: Any, out_dir: Path) -> dict[str, Any]:
     """Measure every mix, and predict it again under the background load measured meanwhile;
     the validation block of ``plan.json``."""
-    from services.bench.cpu_load import BackgroundSampler, process_cpu_seconds
     from services.bench.launcher import TandemServer
     from services.bench.plan import recommend, simulate
 
@@ -51,18 +50,13 @@ def validate(args: argparse.Namespace, prof: dict[str, Any], mixes: list[Any], p
                               log_path=out_dir / f"measured-{mix.label}-server.log",
                               startup_timeout_s=args.startup_timeout)
         print(f"measuring {mix.label}: {' '.join(server.argv[3:])}", flush=True)
-        with server:
-            sampler = BackgroundSampler(lambda: [os.getpid(), server.proc.pid if server.proc else os.getpid()])
-            gateway_pid = server.proc.pid if server.proc else os.getpid()
-            cpu0 = process_cpu_seconds(gateway_pid) or 0.0
-            with sampler:
-                result = serve_bench.sweep(server.url, server.served_model_name, wl, bench_args, mix.label,
-                                           {**server.describe(), "model_path": model})
-            gateway_cpu = (process_cpu_seconds(gateway_pid) or cpu0) - cpu0
-        bg = sampler.stop() or 0.0
-        tokens = sum(run["summary"]["output_tokens"] for run in result["runs"])
-        client_cpu = sum(run["client_cpu_s"] for run in result["runs"])
-        frontend = (gateway_cpu + client_cpu) / tokens if tokens else hw.frontend_s_per_token
+        try:
+            result, bg, frontend = _measure(server, wl, bench_args, mix.label, model)
+        except RuntimeError as e:  # e.g. it could not start (the log's tail is in the message)
+            print(f"{mix.label} NOT measured: {e}", flush=True)
+            rows.append({"mix": mix.label, "failed": str(e).splitlines()[0]})
+            continue
+        frontend = frontend if frontend is not None else hw.frontend_s_per_token
         under_load = simulate(mix, args, rates, wl.slo, prof, dataclasses.replace(
             hw, background_cores=bg, frontend_s_per_token=frontend))
         loaded.append(under_load)
@@ -89,6 +83,26 @@ def validate(args: argparse.Namespace, prof: dict[str, Any], mixes: list[Any], p
     return out
 
 
+def _measure(server: Any, wl: Any, bench_args: argparse.Namespace, label: str,
+             model: str) -> tuple[dict[str, Any], float, float | None]:
+    """Sweep one started-here server: its results, the other processes' mean runnable threads
+    meanwhile, and the gateway's plus the client's CPU seconds per streamed token."""
+    from services.bench.cpu_load import BackgroundSampler, process_cpu_seconds
+
+    with server:
+        gateway_pid = server.proc.pid
+        sampler = BackgroundSampler(lambda: [os.getpid(), gateway_pid])
+        cpu0 = process_cpu_seconds(gateway_pid) or 0.0
+        with sampler:
+            result = serve_bench.sweep(server.url, server.served_model_name, wl, bench_args, label,
+                                       {**server.describe(), "model_path": model})
+        gateway_cpu = (process_cpu_seconds(gateway_pid) or cpu0) - cpu0
+    bg = sampler.stop() or 0.0
+    tokens = sum(run["summary"]["output_tokens"] for run in result["runs"])
+    client_cpu = sum(run["client_cpu_s"] for run in result["runs"])
+    return result, bg, (gateway_cpu + client_cpu) / tokens if tokens else None
+
+
 def print_validation(v: dict[str, Any]) -> None:
     print()
     print(runinfo.machine_line())
@@ -101,6 +115,9 @@ def print_validation(v: dict[str, Any]) -> None:
           f"{'error':>7}   load avg (1 min) before/after")
     pct = lambda e: serve_bench.fmt_num(None if e is None else 100 * e, "+.0f") + "%"  # noqa: E731
     for r in v["rows"]:
+        if "failed" in r:
+            print(f"{r['mix']:>13} not measured: {r['failed']}")
+            continue
         err = pct(r["error"])[:-1]
         print(f"{r['mix']:>13} {r['quiet_predicted_rps']:>7.2f} {r['as_profiled_rps']:>8.2f} "
               f"{pct(r['as_profiled_error']):>6} {r['background_threads']:>6.1f} {r['frontend_ms_per_token']:>5.2f} "
