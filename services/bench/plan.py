@@ -70,6 +70,8 @@ def all_mixes(max_workers: int) -> list[Mix]:
 def quiet_factor(prof: dict[str, Any]) -> float:
     """How much faster the profiled steps run on a quiet machine: the share of the cores the
     profiled worker's threads got next to the other runnable threads measured meanwhile."""
+    if str(prof["hardware"].get("device", "cpu")).startswith("cuda"):
+        return 1.0  # other processes' CPU threads do not slow a GPU step down
     bg = (prof.get("background") or {}).get("runnable_threads_mean") or 0.0
     threads = prof["worker"]["threads_per_worker"]
     return min(1.0, prof["hardware"]["cores"] / (threads + bg))
@@ -95,7 +97,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mixes", default=None, help="comma-separated mixes to consider, e.g. 1P+1D,2P+1D,colocatedx2 "
                    "(default: every mix of up to --max-workers workers)")
     p.add_argument("--max-workers", type=int, default=None, help="largest mix (default: twice the cores' worth)")
-    p.add_argument("--cores", type=float, default=None, help="cores the workers share (default: the profile's)")
+    p.add_argument("--cores", type=float, default=None, help="cores the workers share (default: the profile's; "
+                   "unbounded for a GPU profile, one GPU per worker)")
     p.add_argument("--threads-per-worker", type=int, default=None, help="default: the profile's")
     p.add_argument("--prefill-nice", type=int, default=0, help="as `tandem serve --prefill-nice`")
     p.add_argument("--background-cores", type=float, default=0.0,
@@ -189,11 +192,12 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("tandem plan needs finite rates")
     target_rate = args.target_rate or max(rates)
     threads = args.threads_per_worker or prof["worker"]["threads_per_worker"]
-    cores = args.cores or prof["hardware"]["cores"]
+    on_gpu = str(prof["hardware"].get("device", "cpu")).startswith("cuda")
+    cores = args.cores or (math.inf if on_gpu else prof["hardware"]["cores"])  # GPU workers share no cores
     if args.repeats < 1 or threads < 1 or cores <= 0:
         raise ValueError("--repeats, --threads-per-worker and --cores must be positive")
     hw = Hardware(cores, threads, args.prefill_nice, args.background_cores, args.frontend_ms_per_token / 1e3)
-    max_workers = args.max_workers or max(2, int(2 * cores // threads))
+    max_workers = args.max_workers or (8 if on_gpu else max(2, int(2 * cores // threads)))
     mixes = [Mix.parse(m) for m in args.mixes.split(",")] if args.mixes else all_mixes(max_workers)
     if "transfer" not in prof["fit"] and any(not m.colocated for m in mixes):
         raise ValueError("the profile has no KV transfer part (--skip-transfer): plan colocated mixes only")
@@ -203,14 +207,16 @@ def main(args: argparse.Namespace) -> int:
     print(f"== plan: {wl.name}, {args.arrival} arrivals at {', '.join(f'{r:g}' for r in rates)} req/s, "
           f"{args.repeats} x {wl.config['requests_per_rate']} requests per rate; "
           f"SLO TTFT {serve_bench.fmt_num(slo['ttft_ms'])} ms, TPOT {serve_bench.fmt_num(slo['tpot_ms'])} ms at {slo['attainment']:.0%}")
-    print(f"profile: {prof['hardware']['cpu']}, {threads} thread(s) per worker on {cores:g} cores "
-          f"(predicted; + = every rate met the SLO, sweep higher)")
+    where = (f"one {prof['hardware'].get('gpu') or 'GPU'} per worker" if on_gpu
+             else f"{prof['hardware']['cpu']}, {threads} thread(s) per worker on {cores:g} cores")
+    print(f"profile: {where} (predicted; + = every rate met the SLO, sweep higher)")
     print_table(results, target_rate, best)
     out_dir = Path(args.out_dir) if args.out_dir else serve_bench.default_out_dir("plan")
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = {"schema": SCHEMA, "meta": runinfo.describe(), "profile": str(args.profile),
                "workload": wl.config, "slo": slo, "target_rate": target_rate,
-               "hardware": dataclasses.asdict(hw), "results": results,
+               "hardware": {**dataclasses.asdict(hw), "cores": cores if math.isfinite(cores) else None},
+               "results": results,
                "recommended": best["label"] if best else None}
     if best is None:
         print(f"no mix of up to {max_workers} workers meets the SLO at {target_rate:g} req/s")

@@ -7,7 +7,7 @@ figures are the worker alone on its cores):
 - prefill: steps of one prompt of 16..2048 tokens, and of several prompts at once;
 - decode: steps of batch 1..48 at several contexts, and mixed steps (decodes plus a
   prefill chunk, as chunked prefill schedules them) to check the additive model;
-- KV transfer: the KV protocol between two actors over gloo
+- KV transfer: the KV protocol between two actors over gloo (nccl with ``--device cuda``)
   (``services.bench.transfer.bandwidth``), 0.25..16 MB.
 
 Writes one JSON (schema ``SCHEMA``) with every timed point, the fitted models
@@ -46,6 +46,7 @@ class Grid:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="local HF folder (default: the embedded `bench` checkpoint)")
     p.add_argument("--threads-per-worker", type=int, default=1, help="torch threads per worker (as `tandem serve`)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda (one GPU per worker; KV over nccl)")
     p.add_argument("--prefill-nice", type=int, default=0, help="niceness of the prefill pool (as `tandem serve`)")
     p.add_argument("--repeats", type=int, default=3, help="timed steps per grid point (medians are fitted)")
     p.add_argument("--skip-transfer", action="store_true", help="no KV transfer part (single-pool plans only)")
@@ -55,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 class _Profiler:
     """One engine in a Ray actor, configured as a worker of the cluster."""
 
-    def __init__(self, model: str, threads: int, niceness: int, seed: int = 0) -> None:
+    def __init__(self, model: str, threads: int, niceness: int, device: str = "cpu", seed: int = 0) -> None:
         import numpy as np
         import torch
 
@@ -66,7 +67,7 @@ class _Profiler:
             os.nice(niceness)
         os.environ["OMP_NUM_THREADS"] = str(threads)  # as EngineWorker does
         torch.set_num_threads(threads)
-        self.config = EngineConfig(model=model, num_threads=threads,
+        self.config = EngineConfig(model=model, num_threads=threads, device=device,
                                    cache=CacheConfig(enable_prefix_caching=False))
         self.engine = LLMEngine(self.config)
         self.rng = np.random.default_rng(seed)
@@ -83,6 +84,7 @@ class _Profiler:
                 "kv_bytes_per_token": e.kv_cache.bytes_per_block(
                     mc.num_layers, 1, mc.num_kv_heads, mc.head_dim, e.dtype),
                 "dtype": str(e.dtype).removeprefix("torch."), "device": str(e.device),
+                "gpu": __import__("torch").cuda.get_device_name(e.device) if e.device.type == "cuda" else None,
                 "max_model_len": e.max_model_len,
                 "model": {"path": e.model_path, "architecture": mc.architecture, "layers": mc.num_layers,
                           "hidden_size": mc.hidden_size, "kv_heads": mc.num_kv_heads, "head_dim": mc.head_dim,
@@ -152,18 +154,19 @@ class _Profiler:
 
 
 def measure(model: str, threads: int, prefill_nice: int, repeats: int, transfer: bool,
-            progress=print, grid: Grid = Grid()) -> dict[str, Any]:
+            progress=print, grid: Grid = Grid(), device: str = "cpu") -> dict[str, Any]:
     """The profile dict (schema ``SCHEMA``); Ray must be running."""
     import ray
 
     from services.bench.cpu_load import BackgroundSampler
 
+    gpu = 1 if device.startswith("cuda") else 0
     actor_cls = ray.remote(_Profiler)
     actor_pids: list[int] = []
     sampler = BackgroundSampler(lambda: [os.getpid(), *actor_pids]).start()
     try:
         progress(f"prefill steps ({threads} thread(s), niceness {prefill_nice})")
-        pre = actor_cls.options(num_cpus=0).remote(model, threads, prefill_nice)
+        pre = actor_cls.options(num_cpus=0, num_gpus=gpu).remote(model, threads, prefill_nice, device)
         try:
             actor_pids[:] = [ray.get(pre.pid.remote())]
             limits = ray.get(pre.limits.remote())
@@ -172,7 +175,7 @@ def measure(model: str, threads: int, prefill_nice: int, repeats: int, transfer:
         finally:
             ray.kill(pre)
         progress("decode and mixed steps")
-        dec = actor_cls.options(num_cpus=0).remote(model, threads, 0)
+        dec = actor_cls.options(num_cpus=0, num_gpus=gpu).remote(model, threads, 0, device)
         try:
             actor_pids[:] = [ray.get(dec.pid.remote())]
             decode_points, mixed_points = ray.get(dec.decode.remote(list(grid.decode_setups),
@@ -184,9 +187,10 @@ def measure(model: str, threads: int, prefill_nice: int, repeats: int, transfer:
     out: dict[str, Any] = {
         "schema": SCHEMA, "meta": runinfo.describe(),
         "hardware": {"cpu": runinfo.machine()["cpu"], "cores": len(os.sched_getaffinity(0)),
-                     "device": limits["device"]},
+                     "device": limits.pop("device"), "gpu": limits.pop("gpu")},
         "model": limits.pop("model"), "engine": limits,
-        "worker": {"threads_per_worker": threads, "prefill_nice": prefill_nice, "kind": f"cpu-{threads}t"},
+        "worker": {"threads_per_worker": threads, "prefill_nice": prefill_nice,
+                   "kind": f"gpu-{limits.get('dtype')}" if gpu else f"cpu-{threads}t"},
         "points": {"prefill": prefill_points, "decode": decode_points, "mixed": mixed_points},
         # runnable threads of other processes meanwhile: `tandem plan` scales the steps back to a quiet machine
         "background": {"runnable_threads_mean": background, "samples": len(sampler.samples)},
@@ -194,8 +198,8 @@ def measure(model: str, threads: int, prefill_nice: int, repeats: int, transfer:
     if transfer:
         from services.bench.transfer import bandwidth
 
-        progress("KV transfer (gloo, two actors)")
-        rows = bandwidth(model, list(grid.transfer_mb), max(3, repeats))
+        progress(f"KV transfer ({'nccl' if gpu else 'gloo'}, two actors)")
+        rows = bandwidth(model, list(grid.transfer_mb), max(3, repeats), "nccl" if gpu else "gloo")
         tpoints = [{"bytes": r["mb"] * 2**20, "seconds": r["mb"] * 2**20 / (r["kv_per_layer_gb_s"] * 1e9)}
                    for r in rows]
         out["points"]["transfer"] = tpoints
@@ -262,6 +266,7 @@ def main(args: argparse.Namespace) -> int:
     import ray
 
     from services.cluster.ray_start import RayRuntime
+    from services.common.config import check_device
     from services.engine.default_model import default_model_path
 
     if args.threads_per_worker < 1:
@@ -275,7 +280,8 @@ def main(args: argparse.Namespace) -> int:
         runtime.start()
     try:
         prof = measure(model, args.threads_per_worker, args.prefill_nice, args.repeats, not args.skip_transfer,
-                       progress=lambda m: print(f"[{time.perf_counter() - t0:5.1f}s] {m}", flush=True))
+                       progress=lambda m: print(f"[{time.perf_counter() - t0:5.1f}s] {m}", flush=True),
+                       device=check_device(args.device))
     finally:
         if runtime is not None:
             runtime.stop()

@@ -91,7 +91,7 @@ def test_prediction_error():
     assert error(1.0, 0.0) is None
 
 
-def _profile(path, transfer: bool = True) -> str:
+def _profile(path, transfer: bool = True, device: str = "cpu") -> str:
     pts = {"prefill": [{"tokens": n, "seqs": 1, "pairs": attention_pairs(n), "seconds": 0.01 + 4e-4 * n}
                        for n in (16, 256, 1024)],
            "decode": [{"batch": b, "context": c, "seconds": 0.01 + 0.001 * b}
@@ -99,7 +99,7 @@ def _profile(path, transfer: bool = True) -> str:
            "mixed": [],
            "transfer": [{"bytes": b, "seconds": 1e-3 + b / 1e9} for b in (2**20, 2**24)] if transfer else []}
     prof = profile_mod.fit({
-        "schema": profile_mod.SCHEMA, "hardware": {"cpu": "test CPU", "cores": 4, "device": "cpu"},
+        "schema": profile_mod.SCHEMA, "hardware": {"cpu": "test CPU", "cores": 4, "device": device},
         "model": {"path": "unused"}, "worker": {"threads_per_worker": 1, "prefill_nice": 0},
         "engine": {"max_num_batched_tokens": 2048, "max_num_seqs": 256, "block_size": 16, "num_blocks": 4096,
                    "kv_bytes_per_token": 16384}, "points": pts})
@@ -181,3 +181,14 @@ def test_validation_table_shows_errors_and_unmeasured_mixes(capsys):
     line = next(x for x in out.splitlines() if x.strip().startswith("1P+1D"))
     assert "+10%" in line and "+20%" in line and "5.00/6.00" in line
     assert "2P+1D not measured: did not become ready" in out
+
+
+def test_a_gpu_profile_plans_one_gpu_per_worker_without_cpu_sharing(tmp_path, capsys):
+    prof = _profile(tmp_path / "profile.json", device="cuda:0")
+    code = cli(["plan", "--profile", prof, "--preset", "chat", "--num-prompts", "10", "--rates", "1",
+                "--repeats", "1", "--mixes", "1P+1D,colocatedx4", "--no-plots", "--out-dir", str(tmp_path / "out")])
+    assert code == 0
+    assert "one GPU per worker" in capsys.readouterr().out
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    assert plan["hardware"]["cores"] is None
+    assert plan["recommended"] == "1P+1D"  # the cheaper mix: 2 GPUs
