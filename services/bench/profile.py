@@ -47,6 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="local HF folder (default: the embedded `bench` checkpoint)")
     p.add_argument("--threads-per-worker", type=int, default=1, help="torch threads per worker (as `tandem serve`)")
     p.add_argument("--device", default="cpu", help="cpu | cuda (one GPU per worker; KV over nccl)")
+    p.add_argument("--kv-cache-gb", type=float, default=0.25, help="KV cache of the timed engines (the grid needs "
+                   "~0.2 GB on the bench model; as `tandem serve --kv-cache-gb` otherwise)")
     p.add_argument("--prefill-nice", type=int, default=0, help="niceness of the prefill pool (as `tandem serve`)")
     p.add_argument("--repeats", type=int, default=3, help="timed steps per grid point (medians are fitted)")
     p.add_argument("--skip-transfer", action="store_true", help="no KV transfer part (single-pool plans only)")
@@ -56,7 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 class _Profiler:
     """One engine in a Ray actor, configured as a worker of the cluster."""
 
-    def __init__(self, model: str, threads: int, niceness: int, device: str = "cpu", seed: int = 0) -> None:
+    def __init__(self, model: str, threads: int, niceness: int, device: str = "cpu", kv_cache_gb: float = 0.25,
+                 seed: int = 0) -> None:
         import numpy as np
         import torch
 
@@ -68,7 +71,7 @@ class _Profiler:
         os.environ["OMP_NUM_THREADS"] = str(threads)  # as EngineWorker does
         torch.set_num_threads(threads)
         self.config = EngineConfig(model=model, num_threads=threads, device=device,
-                                   cache=CacheConfig(enable_prefix_caching=False))
+                                   cache=CacheConfig(memory_gb=kv_cache_gb, enable_prefix_caching=False))
         self.engine = LLMEngine(self.config)
         self.rng = np.random.default_rng(seed)
         self.n = 0
@@ -154,7 +157,7 @@ class _Profiler:
 
 
 def measure(model: str, threads: int, prefill_nice: int, repeats: int, transfer: bool,
-            progress=print, grid: Grid = Grid(), device: str = "cpu") -> dict[str, Any]:
+            progress=print, grid: Grid = Grid(), device: str = "cpu", kv_cache_gb: float = 0.25) -> dict[str, Any]:
     """The profile dict (schema ``SCHEMA``); Ray must be running."""
     import ray
 
@@ -166,7 +169,7 @@ def measure(model: str, threads: int, prefill_nice: int, repeats: int, transfer:
     sampler = BackgroundSampler(lambda: [os.getpid(), *actor_pids]).start()
     try:
         progress(f"prefill steps ({threads} thread(s), niceness {prefill_nice})")
-        pre = actor_cls.options(num_cpus=0, num_gpus=gpu).remote(model, threads, prefill_nice, device)
+        pre = actor_cls.options(num_cpus=0, num_gpus=gpu).remote(model, threads, prefill_nice, device, kv_cache_gb)
         try:
             actor_pids[:] = [ray.get(pre.pid.remote())]
             limits = ray.get(pre.limits.remote())
@@ -175,7 +178,7 @@ def measure(model: str, threads: int, prefill_nice: int, repeats: int, transfer:
         finally:
             ray.kill(pre)
         progress("decode and mixed steps")
-        dec = actor_cls.options(num_cpus=0, num_gpus=gpu).remote(model, threads, 0, device)
+        dec = actor_cls.options(num_cpus=0, num_gpus=gpu).remote(model, threads, 0, device, kv_cache_gb)
         try:
             actor_pids[:] = [ray.get(dec.pid.remote())]
             decode_points, mixed_points = ray.get(dec.decode.remote(list(grid.decode_setups),
@@ -273,6 +276,8 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("--threads-per-worker must be >= 1")
     if args.repeats < 1:
         raise ValueError("--repeats must be >= 1")
+    if args.kv_cache_gb <= 0:
+        raise ValueError("--kv-cache-gb must be > 0")
     model = str(args.model or default_model_path("bench"))
     t0 = time.perf_counter()
     runtime = RayRuntime() if not ray.is_initialized() else None
@@ -281,7 +286,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         prof = measure(model, args.threads_per_worker, args.prefill_nice, args.repeats, not args.skip_transfer,
                        progress=lambda m: print(f"[{time.perf_counter() - t0:5.1f}s] {m}", flush=True),
-                       device=check_device(args.device))
+                       device=check_device(args.device), kv_cache_gb=args.kv_cache_gb)
     finally:
         if runtime is not None:
             runtime.stop()
