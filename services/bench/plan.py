@@ -206,7 +206,8 @@ def main(args: argparse.Namespace) -> int:
     slo = wl.slo.to_json()
     print(f"== plan: {wl.name}, {args.arrival} arrivals at {', '.join(f'{r:g}' for r in rates)} req/s, "
           f"{args.repeats} x {wl.config['requests_per_rate']} requests per rate; "
-          f"SLO TTFT {serve_bench.fmt_num(slo['ttft_ms'])} ms, TPOT {serve_bench.fmt_num(slo['tpot_ms'])} ms at {slo['attainment']:.0%}")
+          f"SLO TTFT {serve_bench.fmt_num(slo['ttft_ms'])} ms, TPOT {serve_bench.fmt_num(slo['tpot_ms'])} ms "
+          f"at {slo['attainment']:.0%}")
     where = (f"one {prof['hardware'].get('gpu') or 'GPU'} per worker" if on_gpu
              else f"{prof['hardware']['cpu']}, {threads} thread(s) per worker on {cores:g} cores")
     print(f"profile: {where} (predicted; + = every rate met the SLO, sweep higher)")
@@ -219,7 +220,8 @@ def main(args: argparse.Namespace) -> int:
                "results": results,
                "recommended": best["label"] if best else None}
     if best is None:
-        print(f"no mix of up to {max_workers} workers meets the SLO at {target_rate:g} req/s")
+        print(f"no mix considered ({', '.join(m.label for m in mixes)}) meets the SLO at {target_rate:g} req/s"
+              + ("; no helm values written" if args.helm_values else ""))
     else:
         print(f"recommended: {best['label']} ({best['cores']:g} cores), predicted goodput "
               f"{best['goodput']['interpolated_rps']:.2f} req/s")
