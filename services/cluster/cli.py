@@ -140,6 +140,15 @@ def build_parser() -> argparse.ArgumentParser:
         sp = bench_sub.add_parser(name, help=text)
         module.add_arguments(sp)
         sp.set_defaults(func=_bench)
+    from services.bench import plan as plan_cmd
+    from services.bench import profile as profile_cmd
+
+    prof = sub.add_parser("profile", help="measure step and KV transfer costs of the workers (for `plan`)")
+    profile_cmd.add_arguments(prof)
+    prof.set_defaults(func=profile_cmd.main)
+    pl = sub.add_parser("plan", help="size the prefill/decode pools for a workload and an SLO from a profile")
+    plan_cmd.add_arguments(pl)
+    pl.set_defaults(func=plan_cmd.main)
     return parser
 
 

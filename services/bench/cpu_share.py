@@ -1,0 +1,55 @@
+"""CPU contention in ``tandem plan``'s simulation: workers, the frontend and other processes
+share the cores by weight (Linux CFS), no thread faster than one core."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the workers run on: ``cores`` shared by all, ``threads`` per worker."""
+
+    cores: float
+    threads: int = 1
+    prefill_nice: int = 0
+    background_cores: float = 0.0
+    frontend_s_per_token: float = 0.0  # CPU the gateway and client spend per streamed token
+
+
+@dataclass
+class Job:
+    """A CPU consumer: ``remaining`` seconds of work at full speed, wanting ``threads`` cores."""
+
+    threads: float
+    weight: float
+    remaining: float = 0.0
+    rate: float = 0.0
+
+
+def share_cores(jobs: Sequence[Job], cores: float) -> None:
+    """Set each busy job's ``rate`` (share of full speed): weighted fair sharing of ``cores``,
+    no thread above one core (water-filling)."""
+    open_ = [j for j in jobs if j.threads > 0]
+    for j in jobs:
+        j.rate = 0.0
+    cap = cores
+    while open_:
+        total = sum(j.threads * j.weight for j in open_)
+        level = cap / total if total > 0 else math.inf
+        full = [j for j in open_ if j.weight * level >= 1.0]
+        if not full:
+            for j in open_:
+                j.rate = j.weight * level
+            return
+        for j in full:
+            j.rate = 1.0
+            cap -= j.threads
+            open_.remove(j)
+
+
+def nice_weight(nice: int) -> float:
+    """Linux CFS: each niceness step is ~1.25x less CPU weight."""
+    return 1.25 ** -nice

@@ -1,0 +1,245 @@
+"""``tandem plan``: size the pools for a workload and an SLO from a ``tandem profile``.
+
+For every mix within the worker budget (``xP+yD`` disaggregated, ``colocated×n``), the
+simulator (``services.bench.plan_sim``) serves the workload's request sequence (the same
+one ``tandem bench serve`` sends: preset or dataset lengths, arrivals, seeds) at each
+rate; the records are scored as a measured run is (``services.bench.metrics_math``:
+TTFT/TPOT percentiles, SLO attainment, DistServe goodput). The recommendation is the
+cheapest mix (fewest cores: workers x threads) whose attainment at the target rate meets
+the SLO; ties go to the higher goodput. Prints a table, writes ``plan.json`` and
+``plan.png``, and with ``--helm-values`` the chart's replicas of that mix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from services.bench import runinfo
+from services.bench import serve as serve_bench
+from services.bench.arrivals import arrival_offsets
+from services.bench.metrics_math import SLO, goodput, summarize
+from services.bench.perf_model import DecodeModel, PrefillModel, StepModel, TransferModel
+from services.bench.cpu_share import Hardware
+from services.bench.plan_sim import Engine, SimRequest, Simulation
+
+SCHEMA = "tandem.plan/v1"
+_MIX = re.compile(r"^(?:(\d+)P\+(\d+)D|colocated[x×*](\d+))$", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Mix:
+    """A pool layout: ``prefill`` + ``decode`` workers, or ``decode`` colocated workers."""
+
+    prefill: int
+    decode: int
+    colocated: bool = False
+
+    @property
+    def workers(self) -> int:
+        return self.decode + (0 if self.colocated else self.prefill)
+
+    @property
+    def label(self) -> str:
+        return f"colocated×{self.decode}" if self.colocated else f"{self.prefill}P+{self.decode}D"
+
+    @classmethod
+    def parse(cls, text: str) -> Mix:
+        """``2P+1D`` | ``colocated×3`` (or ``colocatedx3``); ValueError otherwise."""
+        m = _MIX.match(text.strip())
+        if not m or any(g is not None and int(g) < 1 for g in m.groups()):
+            raise ValueError(f"a mix is xP+yD or colocatedxN with x, y, N >= 1, got {text!r}")
+        if m.group(3):
+            return cls(0, int(m.group(3)), True)
+        return cls(int(m.group(1)), int(m.group(2)))
+
+
+def all_mixes(max_workers: int) -> list[Mix]:
+    """Every disaggregated and colocated mix of at most ``max_workers`` workers, smallest first."""
+    out = [Mix(0, n, True) for n in range(1, max_workers + 1)]
+    out += [Mix(p, d) for total in range(2, max_workers + 1) for p in range(1, total) for d in [total - p]]
+    return sorted(out, key=lambda m: (m.workers, m.colocated, -m.prefill))
+
+
+def quiet_factor(prof: dict[str, Any]) -> float:
+    """How much faster the profiled steps run on a quiet machine: the share of the cores the
+    profiled worker's threads got next to the other runnable threads measured meanwhile."""
+    if str(prof["hardware"].get("device", "cpu")).startswith("cuda"):
+        return 1.0  # other processes' CPU threads do not slow a GPU step down
+    bg = (prof.get("background") or {}).get("runnable_threads_mean") or 0.0
+    threads = prof["worker"]["threads_per_worker"]
+    return min(1.0, prof["hardware"]["cores"] / (threads + bg))
+
+
+def models(prof: dict[str, Any], quiet: bool = True) -> tuple[StepModel, TransferModel | None, Engine]:
+    """The fitted step and transfer models and the engine limits of a profile; ``quiet``:
+    step times scaled to a machine without the profile's background load."""
+    f, e = prof["fit"], prof["engine"]
+    steps = StepModel(PrefillModel.from_json(f["prefill"]), DecodeModel.from_json(f["decode"]))
+    if quiet:
+        steps = steps.scaled(quiet_factor(prof))
+    transfer = TransferModel.from_json(f["transfer"]) if "transfer" in f else None
+    engine = Engine(e["max_num_batched_tokens"], e["max_num_seqs"], e["block_size"], e["num_blocks"],
+                    e["kv_bytes_per_token"])
+    return steps, transfer, engine
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--profile", required=True, help="a `tandem profile` JSON")
+    p.add_argument("--target-rate", type=float, default=None,
+                   help="req/s the recommendation must serve within the SLO (default: the highest of --rates)")
+    p.add_argument("--mixes", default=None, help="comma-separated mixes to consider, e.g. 1P+1D,2P+1D,colocatedx2 "
+                   "(default: every mix of up to --max-workers workers)")
+    p.add_argument("--max-workers", type=int, default=None, help="largest mix (default: twice the cores' worth)")
+    p.add_argument("--cores", type=float, default=None, help="cores the workers share (default: the profile's; "
+                   "unbounded for a GPU profile, one GPU per worker)")
+    p.add_argument("--threads-per-worker", type=int, default=None, help="default: the profile's")
+    p.add_argument("--prefill-nice", type=int, default=0, help="as `tandem serve --prefill-nice`")
+    p.add_argument("--background-cores", type=float, default=0.0,
+                   help="threads other processes keep runnable on the workers' cores")
+    p.add_argument("--keep-profile-load", action="store_true", help="use the profiled step times as measured "
+                   "(default: scaled back to a quiet machine from the load other processes put on it meanwhile)")
+    p.add_argument("--frontend-ms-per-token", type=float, default=0.5,
+                   help="CPU the gateway and the load generator spend per streamed token (ms; they share "
+                   "the workers' cores on one host; 0 when they run elsewhere)")
+    p.add_argument("--repeats", type=int, default=3, help="request sequences simulated per rate (seeds "
+                   "SEED, SEED+1, ...; the first is the one `tandem bench serve` sends)")
+    p.add_argument("--helm-values", default=None, metavar="FILE", help="write the recommended mix's replicas "
+                   "as a values file for the chart")
+    p.add_argument("--validate", action="store_true", help="also measure each mix with real servers "
+                   "(as `tandem bench compare` does) and print predicted vs measured goodput")
+    p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                   help="--validate: extra `tandem serve` argument (repeatable)")
+    p.add_argument("--startup-timeout", type=float, default=300.0)
+    serve_bench.add_workload_arguments(p)
+
+
+def _requests(args: argparse.Namespace, rate_index: int, rate: float, seed: int) -> list[SimRequest]:
+    wl = serve_bench.plan(argparse.Namespace(**{**vars(args), "seed": seed, "tokenizer": None}))
+    reqs = wl.requests(rate_index)
+    offsets = arrival_offsets(args.arrival, rate, len(reqs), seed, args.burst_size)
+    return [SimRequest(t, tuple(r.prompt), r.output_len, r.kind) for r, t in zip(reqs, offsets)]
+
+
+def simulate(mix: Mix, args: argparse.Namespace, rates: list[float], slo: SLO, prof: dict[str, Any],
+             hw: Hardware) -> dict[str, Any]:
+    """One mix over the sweep: a results dict shaped like ``tandem bench serve``'s (no per-request list)."""
+    steps, transfer, engine = models(prof, not args.keep_profile_load)
+    runs = []
+    for k, rate in enumerate(rates):
+        records, duration = [], 0.0
+        for rep in range(args.repeats):
+            sim = Simulation(_requests(args, k, rate, args.seed + rep), prefill=mix.prefill, decode=mix.decode,
+                             colocated=mix.colocated, steps=steps, transfer=transfer, engine=engine, hardware=hw)
+            res = sim.run(max_time_s=args.max_duration + 10 * args.request_timeout)
+            records += res.records
+            duration += res.duration_s
+        runs.append({"rate": rate, "summary": summarize(records, duration, slo)})
+    good = goodput([(r["rate"], r["summary"]["attainment"]["both"]) for r in runs], slo.attainment)
+    return {"label": mix.label, "mix": dataclasses.asdict(mix), "workers": mix.workers,
+            "cores": mix.workers * hw.threads, "slo": slo.to_json(), "runs": runs, "goodput": good}
+
+
+def recommend(results: list[dict[str, Any]], target_rate: float, target: float) -> dict[str, Any] | None:
+    """The cheapest result (cores) whose attainment at ``target_rate`` reaches ``target``;
+    ties go to the higher goodput, then the higher attainment at ``target_rate``. None when
+    no mix meets it."""
+    def at_target(r: dict[str, Any]) -> float:
+        run = next(x for x in r["runs"] if x["rate"] == target_rate)
+        return run["summary"]["attainment"]["both"] or 0.0
+
+    ok = [r for r in results if at_target(r) >= target]
+    if not ok:
+        return None
+    return min(ok, key=lambda r: (r["cores"], -r["goodput"]["interpolated_rps"], -at_target(r), r["label"]))
+
+
+def helm_values(mix: Mix, note: str) -> str:
+    """A values fragment for helm/tandem: the mode and the two worker groups' replicas (one worker per pod)."""
+    return (f"# {note}\n"
+            f"gateway:\n  mode: {'colocated' if mix.colocated else 'disaggregated'}\n"
+            f"prefill:\n  replicas: {0 if mix.colocated else mix.prefill}\n  workersPerPod: 1\n"
+            f"decode:\n  replicas: {mix.decode}\n  workersPerPod: 1\n")
+
+
+def print_table(results: list[dict[str, Any]], target_rate: float, best: dict[str, Any] | None) -> None:
+    print(f"{'mix':>13} {'cores':>5} {'goodput':>9} {'attain@' + f'{target_rate:g}':>10} "
+          f"{'TTFT p50/p90 ms':>16} {'TPOT p50/p90 ms':>16}")
+    for r in results:
+        run = next(x for x in r["runs"] if x["rate"] == target_rate)["summary"]
+        g = r["goodput"]
+        fmt = serve_bench.fmt_num
+        mark = "  <- recommended" if best is r else ""
+        print(f"{r['label']:>13} {r['cores']:>5g} {g['interpolated_rps']:>8.2f}{'' if g['bounded'] else '+'} "
+              f"{fmt(run['attainment']['both'], '.0%'):>10} "
+              f"{fmt(run['ttft_ms']['p50']) + '/' + fmt(run['ttft_ms']['p90']):>16} "
+              f"{fmt(run['tpot_ms']['p50'], '.1f') + '/' + fmt(run['tpot_ms']['p90'], '.1f'):>16}{mark}")
+
+
+def main(args: argparse.Namespace) -> int:
+    from services.bench import profile as profile_mod
+
+    prof = profile_mod.load(args.profile)
+    wl = serve_bench.plan(argparse.Namespace(**{**vars(args), "tokenizer": None}))
+    rates = sorted(set(wl.rates) | ({args.target_rate} if args.target_rate else set()))
+    if any(not math.isfinite(r) for r in rates):
+        raise ValueError("tandem plan needs finite rates")
+    target_rate = args.target_rate or max(rates)
+    threads = args.threads_per_worker or prof["worker"]["threads_per_worker"]
+    on_gpu = str(prof["hardware"].get("device", "cpu")).startswith("cuda")
+    cores = args.cores or (math.inf if on_gpu else prof["hardware"]["cores"])  # GPU workers share no cores
+    if args.repeats < 1 or threads < 1 or cores <= 0:
+        raise ValueError("--repeats, --threads-per-worker and --cores must be positive")
+    hw = Hardware(cores, threads, args.prefill_nice, args.background_cores, args.frontend_ms_per_token / 1e3)
+    max_workers = args.max_workers or (8 if on_gpu else max(2, int(2 * cores // threads)))
+    mixes = [Mix.parse(m) for m in args.mixes.split(",")] if args.mixes else all_mixes(max_workers)
+    if "transfer" not in prof["fit"] and any(not m.colocated for m in mixes):
+        raise ValueError("the profile has no KV transfer part (--skip-transfer): plan colocated mixes only")
+    results = [simulate(m, args, rates, wl.slo, prof, hw) for m in mixes]
+    best = recommend(results, target_rate, wl.slo.attainment)
+    slo = wl.slo.to_json()
+    print(f"== plan: {wl.name}, {args.arrival} arrivals at {', '.join(f'{r:g}' for r in rates)} req/s, "
+          f"{args.repeats} x {wl.config['requests_per_rate']} requests per rate; "
+          f"SLO TTFT {serve_bench.fmt_num(slo['ttft_ms'])} ms, TPOT {serve_bench.fmt_num(slo['tpot_ms'])} ms "
+          f"at {slo['attainment']:.0%}")
+    where = (f"one {prof['hardware'].get('gpu') or 'GPU'} per worker" if on_gpu
+             else f"{prof['hardware']['cpu']}, {threads} thread(s) per worker on {cores:g} cores")
+    print(f"profile: {where} (predicted; + = every rate met the SLO, sweep higher)")
+    print_table(results, target_rate, best)
+    out_dir = Path(args.out_dir) if args.out_dir else serve_bench.default_out_dir("plan")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary = {"schema": SCHEMA, "meta": runinfo.describe(), "profile": str(args.profile),
+               "workload": wl.config, "slo": slo, "target_rate": target_rate,
+               "hardware": {**dataclasses.asdict(hw), "cores": cores if math.isfinite(cores) else None},
+               "results": results,
+               "recommended": best["label"] if best else None}
+    if best is None:
+        print(f"no mix considered ({', '.join(m.label for m in mixes)}) meets the SLO at {target_rate:g} req/s"
+              + ("; no helm values written" if args.helm_values else ""))
+    else:
+        print(f"recommended: {best['label']} ({best['cores']:g} cores), predicted goodput "
+              f"{best['goodput']['interpolated_rps']:.2f} req/s")
+        if args.helm_values:
+            Path(args.helm_values).write_text(helm_values(Mix(**best["mix"]), (
+                f"tandem plan: {wl.name} at {target_rate:g} req/s, SLO TTFT {slo['ttft_ms']} ms / TPOT "
+                f"{slo['tpot_ms']} ms at {slo['attainment']:.0%}: {best['label']}")))
+            print(f"helm values: {args.helm_values}")
+    if not args.no_plots:
+        from services.bench import plots
+
+        for r in results:
+            r["config"] = {"workload_name": f"tandem plan (predicted): {wl.name}"}
+        summary["plot"] = str(plots.compare(results, out_dir / "plan.png"))
+    if args.validate:
+        from services.bench.plan_validate import validate
+
+        summary["validation"] = validate(args, prof, mixes, results, rates, target_rate, hw, out_dir)
+    (out_dir / "plan.json").write_text(json.dumps(summary, indent=1, allow_nan=False))
+    print(f"results: {out_dir / 'plan.json'}")
+    return 0 if best is not None else 1

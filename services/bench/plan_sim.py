@@ -1,0 +1,301 @@
+"""A discrete-event simulation of a tandem cluster serving one request sequence.
+
+What it models, and from where:
+- routing: the real ``services.router.Router`` (decode worker first by free KV blocks and
+  batch occupancy, then the prefill worker with the smallest prefill backlog; admission
+  bounds), fed with each simulated worker's exact load;
+- each worker's continuous batching as ``services.engine.scheduler`` does it: per step a
+  token budget, decodes first, then in-progress prompt chunks, then waiting prompts in
+  arrival order (chunked prefill), at most ``max_num_seqs`` running;
+- step times from the profile's fitted models (``services.bench.perf_model``);
+- disaggregated: token #1 at the end of the prefill step that completes the prompt (the
+  gateway streams it at once), the KV reaches the decode worker after the profiled
+  transfer time of its bytes, which then decodes tokens 2..n; colocated: one worker does
+  all of it;
+- CPU contention: every busy worker wants ``threads`` cores, a frontend (gateway, load
+  generator) wants one core while it has per-token work, a background wants
+  ``background_cores``; the cores are shared by weight (Linux CFS: nice ``n`` weighs
+  ``1.25**-n``), no thread faster than one core (processor sharing, re-divided at each
+  event).
+
+Not modelled: preemption (KV blocks are assumed to suffice), prefix-cache hits, the
+network between gateway and workers, Python and Ray latencies beyond the frontend's CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.bench.cpu_share import Hardware, Job, nice_weight, share_cores
+from services.bench.perf_model import StepModel, TransferModel, attention_pairs
+from services.router.config import RouterConfig
+from services.router.errors import ClusterFullError, PromptTooLargeError
+from services.router.router import Router
+from services.router.worker import BOTH, DECODE, PREFILL, WorkerLoad, blocks_for
+
+EPS = 1e-12
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    """One request: when it arrives (s), its prompt's token ids and its output length."""
+
+    arrival: float
+    prompt: tuple[int, ...]
+    output_len: int
+    kind: str = ""
+
+
+@dataclass(frozen=True)
+class Engine:
+    """Batching limits and KV sizes of every worker (from the profile)."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    block_size: int = 16
+    num_blocks: int = 65536
+    kv_bytes_per_token: int = 0
+
+
+@dataclass
+class _Seq:
+    rid: str
+    req: SimRequest
+    index: int
+    prefill_left: int
+    tokens: int = 0  # tokens whose KV this worker holds (prompt computed so far, then outputs)
+    out_left: int = 0
+    first_token_t: float | None = None
+    decode_worker: SimWorker | None = None  # disaggregated: where its KV goes
+
+
+class SimWorker:
+    """One worker: its queues, its step in progress, its load as the router sees it."""
+
+    def __init__(self, worker_id: str, role: str, engine: Engine, steps: StepModel, job: Job) -> None:
+        self.worker_id, self.role, self.engine, self.steps, self.job = worker_id, role, engine, steps, job
+        self.waiting: deque[_Seq] = deque()
+        self.running: list[_Seq] = []
+        self.reserved: dict[str, int] = {}  # rid -> blocks held for KV on its way
+        self.step: tuple[list[_Seq], list[tuple[_Seq, int]]] | None = None
+
+    def load(self) -> WorkerLoad:
+        e = self.engine
+        used = sum(self.reserved.values()) + sum(blocks_for(max(s.tokens, 1), e.block_size) for s in self.running)
+        queued = sum(s.prefill_left for s in self.waiting) + sum(s.prefill_left for s in self.running)
+        ids = frozenset([*self.reserved, *(s.rid for s in self.running), *(s.rid for s in self.waiting)])
+        return WorkerLoad(self.worker_id, self.role, True, e.num_blocks, max(0, e.num_blocks - used),
+                          e.block_size, len(self.running), len(self.waiting), queued, e.max_num_seqs, ids)
+
+    def start_step(self) -> bool:
+        """Schedule a step as the engine's scheduler would; False when there is nothing to do."""
+        budget = self.engine.max_num_batched_tokens
+        decodes = [s for s in self.running if s.prefill_left == 0][:budget]
+        budget -= len(decodes)
+        chunks: list[tuple[_Seq, int]] = []
+        for s in self.running:
+            if s.prefill_left > 0 and budget > 0:
+                n = min(s.prefill_left, budget)
+                chunks.append((s, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.engine.max_num_seqs:
+            s = self.waiting.popleft()
+            self.running.append(s)
+            n = min(s.prefill_left, budget)
+            chunks.append((s, n))
+            budget -= n
+        if not decodes and not chunks:
+            return False
+        self.step = (decodes, chunks)
+        self.job.remaining = self.steps.step(sum(n for _, n in chunks),
+                                             sum(attention_pairs(n, s.tokens) for s, n in chunks),
+                                             len(decodes), sum(s.tokens + 1 for s in decodes))
+        return True
+
+
+@dataclass
+class SimResult:
+    """One record per request, in the shape ``services.bench.metrics_math`` scores."""
+
+    records: list[dict[str, Any]]
+    duration_s: float
+    steps: int = 0
+    busy_s: dict[str, float] = field(default_factory=dict)
+
+
+class Simulation:
+    """``prefill`` prefill and ``decode`` decode workers (``colocated``: ``decode`` workers
+    doing both) serving ``requests``; ``run()`` returns one record per request."""
+
+    def __init__(self, requests: Sequence[SimRequest], *, prefill: int, decode: int, colocated: bool,
+                 steps: StepModel, transfer: TransferModel | None, engine: Engine, hardware: Hardware,
+                 router: RouterConfig | None = None) -> None:
+        if decode < 1 or (not colocated and prefill < 1):
+            raise ValueError("a mix needs at least one decode worker, and one prefill worker when disaggregated")
+        if not colocated and transfer is None:
+            raise ValueError("a disaggregated mix needs the profile's KV transfer model")
+        self.requests = list(requests)
+        self.steps, self.transfer, self.engine, self.hw = steps, transfer, engine, hardware
+        cfg = router or RouterConfig()
+        self.router = Router(dataclasses.replace(cfg, mode="colocated" if colocated else "disaggregated",
+                                                 block_size=engine.block_size))
+        self.workers: dict[str, SimWorker] = {}
+        pw = nice_weight(hardware.prefill_nice)
+        for i in range(0 if colocated else prefill):
+            self._add(SimWorker(f"prefill-{i}", PREFILL, engine, steps, Job(0, pw)))
+        for i in range(decode):
+            self._add(SimWorker(f"decode-{i}", BOTH if colocated else DECODE, engine, steps, Job(0, 1.0)))
+        self.frontend = Job(0, 1.0)
+        self.background = Job(hardware.background_cores, 1.0, math.inf)
+        self.now = 0.0
+        self._events: list[tuple[float, int, str, Any]] = []
+        self._n = 0
+        self.records: list[dict[str, Any] | None] = [None] * len(self.requests)
+        self.token_times: dict[int, list[float]] = {}
+        self.num_steps = 0
+        self.busy = {wid: 0.0 for wid in self.workers}
+
+    def _add(self, w: SimWorker) -> None:
+        self.workers[w.worker_id] = w
+        self.router.add_worker(w)
+
+    def _push(self, t: float, kind: str, payload: Any) -> None:
+        self._n += 1
+        heapq.heappush(self._events, (t, self._n, kind, payload))
+
+    # -- events ---------------------------------------------------------------------
+    def _arrive(self, i: int) -> None:
+        req = self.requests[i]
+        rid = f"r{i}"
+        try:
+            d = self.router.route(rid, req.prompt, req.output_len)
+        except (ClusterFullError, PromptTooLargeError) as e:
+            self._fail(i, "rejected", str(e))
+            return
+        seq = _Seq(rid, req, i, len(req.prompt), out_left=req.output_len)
+        dec = self.workers[d.decode.worker_id]
+        if d.prefill is None:
+            dec.waiting.append(seq)
+            return
+        dec.reserved[rid] = blocks_for(len(req.prompt) + 1, self.engine.block_size)
+        seq.decode_worker = dec
+        self.workers[d.prefill.worker_id].waiting.append(seq)
+
+    def _kv_arrived(self, seq: _Seq) -> None:
+        dec = seq.decode_worker
+        assert dec is not None
+        dec.reserved.pop(seq.rid, None)
+        seq.prefill_left, seq.tokens = 0, len(seq.req.prompt)
+        dec.running.append(seq)
+
+    def _token(self, seq: _Seq) -> None:
+        self.token_times.setdefault(seq.index, []).append(self.now)
+        if self.hw.frontend_s_per_token:
+            self.frontend.remaining += self.hw.frontend_s_per_token
+
+    def _finish_step(self, w: SimWorker) -> None:
+        decodes, chunks = w.step  # type: ignore[misc]
+        w.step = None
+        self.num_steps += 1
+        for s in decodes:
+            s.tokens += 1
+            s.out_left -= 1
+            self._token(s)
+            if s.out_left == 0:
+                w.running.remove(s)
+                self._done(s)
+        for s, n in chunks:
+            s.prefill_left -= n
+            s.tokens += n
+            if s.prefill_left:
+                continue
+            s.first_token_t = self.now
+            s.out_left -= 1
+            self._token(s)
+            self.router.prefill_done(s.rid)
+            if w.role == PREFILL:
+                w.running.remove(s)
+                if s.out_left == 0:  # the first token ends it: finished at the prefill worker
+                    s.decode_worker.reserved.pop(s.rid, None)  # type: ignore[union-attr]
+                    self._done(s)
+                else:
+                    nbytes = len(s.req.prompt) * self.engine.kv_bytes_per_token
+                    self._push(self.now + self.transfer(nbytes), "kv", s)  # type: ignore[misc]
+            elif s.out_left == 0:
+                w.running.remove(s)
+                self._done(s)
+
+    def _done(self, s: _Seq) -> None:
+        self.router.complete(s.rid)
+        times = self.token_times.pop(s.index)
+        out = len(times)
+        ttft, e2e = times[0] - s.req.arrival, times[-1] - s.req.arrival
+        self.records[s.index] = {
+            "index": s.index, "kind": s.req.kind, "ok": True, "sent": True, "error": None,
+            "prompt_tokens": len(s.req.prompt), "output_tokens": out, "expected_output_tokens": s.req.output_len,
+            "ttft_s": ttft, "e2e_s": e2e, "tpot_s": (e2e - ttft) / (out - 1) if out > 1 else None,
+            "itl_s": [b - a for a, b in zip(times, times[1:])]}
+
+    def _fail(self, i: int, error: str, detail: str) -> None:
+        self.records[i] = {"index": i, "kind": self.requests[i].kind, "ok": False, "sent": True, "error": error,
+                           "error_detail": detail, "prompt_tokens": len(self.requests[i].prompt),
+                           "output_tokens": 0, "ttft_s": None, "e2e_s": None, "tpot_s": None, "itl_s": []}
+
+    # -- the loop -------------------------------------------------------------------
+    def run(self, max_time_s: float = math.inf) -> SimResult:
+        """Simulate until every request finished (or ``max_time_s``: the rest fail as ``deadline``)."""
+        for i, r in enumerate(self.requests):
+            self._push(r.arrival, "arrive", i)
+        jobs = [w.job for w in self.workers.values()]
+        all_jobs = [*jobs, self.frontend, self.background]
+        while True:
+            if not (self._events and self._events[0][0] <= self.now):  # simultaneous arrivals share a step
+                for w in self.workers.values():
+                    if w.step is None and w.start_step():
+                        w.job.threads = self.hw.threads
+            self.frontend.threads = 1.0 if self.frontend.remaining > EPS else 0.0
+            share_cores(all_jobs, self.hw.cores)
+            busy = [w for w in self.workers.values() if w.step is not None]
+            t_step, first = math.inf, None
+            for w in busy:
+                if w.job.rate <= 0:
+                    continue
+                t = self.now + w.job.remaining / w.job.rate
+                if t < t_step:
+                    t_step, first = t, w
+            t_event = self._events[0][0] if self._events else math.inf
+            if self.frontend.threads and self.frontend.rate > 0:
+                t_front = self.now + self.frontend.remaining / self.frontend.rate
+            else:
+                t_front = math.inf
+            t_next = min(t_step, t_event, t_front)
+            if t_next == math.inf or t_next > max_time_s:
+                break
+            dt = t_next - self.now
+            for w in busy:
+                w.job.remaining -= dt * w.job.rate
+                self.busy[w.worker_id] += dt
+            if self.frontend.threads:
+                self.frontend.remaining = max(0.0, self.frontend.remaining - dt * self.frontend.rate)
+            self.now = t_next
+            if t_step == t_next and first is not None:
+                first.job.remaining = 0.0
+                first.job.threads = 0
+                self._finish_step(first)
+            elif t_event == t_next:
+                _, _, kind, payload = heapq.heappop(self._events)
+                if kind == "arrive":
+                    self._arrive(payload)
+                else:
+                    self._kv_arrived(payload)
+        for i, rec in enumerate(self.records):
+            if rec is None:
+                self._fail(i, "deadline", "still in flight when the simulation stopped")
+        start = min((r.arrival for r in self.requests), default=0.0)
+        return SimResult(self.records, self.now - start, self.num_steps, self.busy)  # type: ignore[arg-type]

@@ -1,0 +1,129 @@
+"""``tandem plan --validate``: the plan's predictions against real servers on this machine.
+
+Each mix is started as ``tandem bench compare`` starts a system (``tandem serve`` in a
+subprocess, stopped before the next) and swept with the same request sequence, rates
+and SLO the plan simulated; prints predicted vs measured goodput with the error, and
+whether the plan's recommendation is the measured best (the same rule applied to the
+measured attainment).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+from services.bench import runinfo
+from services.bench import serve as serve_bench
+
+
+def error(predicted: float, measured: float) -> float | None:
+    """Relative error of a prediction (None when nothing was measured)."""
+    return predicted / measured - 1.0 if measured else None
+
+
+def validate(args: argparse.Namespace, prof: dict[str, Any], mixes: list[Any], predicted: list[dict[str, Any]],
+             rates: list[float], target_rate: float, hw: Any, out_dir: Path) -> dict[str, Any]:
+    """Measure every mix, and predict it again under the background load measured meanwhile;
+    the validation block of ``plan.json``."""
+    from services.bench.launcher import TandemServer
+    from services.bench.plan import recommend, simulate
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)  # unwinds through the server's `with`: it is stopped too
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    model = prof["model"]["path"]
+    bench_args = argparse.Namespace(**{**vars(args), "tokenizer": args.tokenizer or model})
+    wl = dataclasses.replace(serve_bench.plan(bench_args), rates=rates)
+    threads = args.threads_per_worker or prof["worker"]["threads_per_worker"]
+    extra = list(args.server_arg) + ([f"--prefill-nice={args.prefill_nice}"] if args.prefill_nice else [])
+    measured, loaded, rows = [], [], []
+    for mix, pred in zip(mixes, predicted):
+        load_before = runinfo.machine()["load_avg_at_start"]
+        server = TandemServer(model, mode="colocated" if mix.colocated else "disaggregated",
+                              prefill_workers=0 if mix.colocated else mix.prefill, decode_workers=mix.decode,
+                              threads_per_worker=threads, extra_args=extra,
+                              log_path=out_dir / f"measured-{mix.label}-server.log",
+                              startup_timeout_s=args.startup_timeout)
+        print(f"measuring {mix.label}: {' '.join(server.argv[3:])}", flush=True)
+        try:
+            result, bg, frontend = _measure(server, wl, bench_args, mix.label, model)
+        except RuntimeError as e:  # e.g. it could not start (the log's tail is in the message)
+            print(f"{mix.label} NOT measured: {e}", flush=True)
+            rows.append({"mix": mix.label, "failed": str(e).splitlines()[0]})
+            continue
+        frontend = frontend if frontend is not None else hw.frontend_s_per_token
+        under_load = simulate(mix, args, rates, wl.slo, prof, dataclasses.replace(
+            hw, background_cores=bg, frontend_s_per_token=frontend))
+        loaded.append(under_load)
+        as_profiled = simulate(mix, argparse.Namespace(**{**vars(args), "keep_profile_load": True}), rates,
+                               wl.slo, prof, dataclasses.replace(hw, background_cores=0.0))
+        serve_bench.write(result, out_dir, not args.no_plots, stem=f"measured-{mix.label}-")
+        serve_bench.print_summary(result)
+        result["cores"] = pred["cores"]
+        measured.append(result)
+        p, m = under_load["goodput"]["interpolated_rps"], result["goodput"]["interpolated_rps"]
+        q = as_profiled["goodput"]["interpolated_rps"]
+        rows.append({"mix": mix.label, "quiet_predicted_rps": pred["goodput"]["interpolated_rps"],
+                     "as_profiled_rps": q, "as_profiled_error": error(q, m),
+                     "background_threads": bg, "frontend_ms_per_token": 1e3 * frontend, "predicted_rps": p,
+                     "predicted_bounded": under_load["goodput"]["bounded"],
+                     "measured_rps": m, "measured_bounded": result["goodput"]["bounded"], "error": error(p, m),
+                     "load_avg_before": load_before, "load_avg_after": runinfo.machine()["load_avg_at_start"]})
+    best_pred = recommend(loaded, target_rate, wl.slo.attainment)
+    best_meas = recommend(measured, target_rate, wl.slo.attainment)
+    out = {"rows": rows, "recommended_under_load": best_pred["label"] if best_pred else None,
+           "measured_best": best_meas["label"] if best_meas else None,
+           "measured_ranking": [r["label"] for r in sorted(measured, key=lambda r: -r["goodput"]["interpolated_rps"])]}
+    print_validation(out)
+    return out
+
+
+def _measure(server: Any, wl: Any, bench_args: argparse.Namespace, label: str,
+             model: str) -> tuple[dict[str, Any], float, float | None]:
+    """Sweep one started-here server: its results, the other processes' mean runnable threads
+    meanwhile, and the gateway's plus the client's CPU seconds per streamed token."""
+    from services.bench.cpu_load import BackgroundSampler, process_cpu_seconds
+
+    with server:
+        gateway_pid = server.proc.pid
+        sampler = BackgroundSampler(lambda: [os.getpid(), gateway_pid])
+        cpu0 = process_cpu_seconds(gateway_pid) or 0.0
+        with sampler:
+            result = serve_bench.sweep(server.url, server.served_model_name, wl, bench_args, label,
+                                       {**server.describe(), "model_path": model})
+        gateway_cpu = (process_cpu_seconds(gateway_pid) or cpu0) - cpu0
+    bg = sampler.stop() or 0.0
+    tokens = sum(run["summary"]["output_tokens"] for run in result["runs"])
+    client_cpu = sum(run["client_cpu_s"] for run in result["runs"])
+    return result, bg, (gateway_cpu + client_cpu) / tokens if tokens else None
+
+
+def print_validation(v: dict[str, Any]) -> None:
+    print()
+    print(runinfo.machine_line())
+    print("goodput (req/s; + = every rate met the SLO) predicted: on a quiet machine; with the step times as "
+          "profiled (the load then); under the background measured during the run (other processes' runnable "
+          "threads, bg) with the gateway's and client's CPU per token measured then (fe ms); and measured, with the "
+          "errors of the last two predictions")
+    print(f"{'mix':>13} {'quiet':>7} {'profiled':>8} {'error':>6} {'bg thr':>6} {'fe ms':>5} {'predicted':>10} "
+          f"{'measured':>10} "
+          f"{'error':>7}   load avg (1 min) before/after")
+    pct = lambda e: serve_bench.fmt_num(None if e is None else 100 * e, "+.0f") + "%"  # noqa: E731
+    for r in v["rows"]:
+        if "failed" in r:
+            print(f"{r['mix']:>13} not measured: {r['failed']}")
+            continue
+        err = pct(r["error"])[:-1]
+        print(f"{r['mix']:>13} {r['quiet_predicted_rps']:>7.2f} {r['as_profiled_rps']:>8.2f} "
+              f"{pct(r['as_profiled_error']):>6} {r['background_threads']:>6.1f} {r['frontend_ms_per_token']:>5.2f} "
+              f"{r['predicted_rps']:>9.2f}{'' if r['predicted_bounded'] else '+'} "
+              f"{r['measured_rps']:>9.2f}{'' if r['measured_bounded'] else '+'} {err + '%':>7}   "
+              f"{r['load_avg_before'][0]:.2f}/{r['load_avg_after'][0]:.2f}")
+    print(f"recommended (predicted under that load): {v['recommended_under_load']}; best by the same rule, "
+          f"measured: {v['measured_best']}; "
+          f"measured goodput ranking: {', '.join(v['measured_ranking'])}")

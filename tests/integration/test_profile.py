@@ -1,0 +1,34 @@
+"""`tandem profile` on real engines in Ray actors (tiny model, a small grid)."""
+
+from __future__ import annotations
+
+import json
+
+from services.bench import profile as profile_mod
+from services.bench.perf_model import DecodeModel, PrefillModel, TransferModel
+
+GRID = profile_mod.Grid(prefill_tokens=(16, 64, 256), prefill_batches=((4, 32),),
+                        decode_setups=((1, 32), (4, 64), (8, 32)), mixed_setups=((4, 64, (32, 128)),),
+                        transfer_mb=(0.25, 1.0))
+
+
+def test_profile_measures_fits_and_round_trips(ray_session, tiny_model_dir, tmp_path):
+    prof = profile_mod.measure(str(tiny_model_dir), threads=1, prefill_nice=0, repeats=2, transfer=True,
+                               progress=lambda m: None, grid=GRID)
+    pts = prof["points"]
+    assert len(pts["prefill"]) == 2 * 4
+    assert {(p["tokens"], p["seqs"]) for p in pts["prefill"]} == {(16, 1), (64, 1), (256, 1), (128, 4)}
+    assert {p["batch"] for p in pts["decode"]} == {1, 4, 8}
+    # the decode context is the batch's tokens: prompt + the token being computed, and grows by one per step
+    assert min(p["context"] for p in pts["decode"] if p["batch"] == 4) >= 4 * 65
+    assert [p["prefill_tokens"] for p in pts["mixed"]] == [32, 128]
+    assert all(p["seconds"] > 0 and p["predicted_seconds"] > 0 for p in pts["mixed"])
+    assert len(pts["transfer"]) == 2
+    assert prof["hardware"]["cores"] >= 1 and prof["worker"]["threads_per_worker"] == 1
+    assert prof["engine"]["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4  # layers, K|V, kv heads, head dim, fp32
+    pre, dec = PrefillModel.from_json(prof["fit"]["prefill"]), DecodeModel.from_json(prof["fit"]["decode"])
+    tr = TransferModel.from_json(prof["fit"]["transfer"])
+    assert pre(256) > 0 and dec(8, 300) > 0 and tr(2**20) > 0
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(prof))
+    assert profile_mod.load(path)["fit"] == prof["fit"]

@@ -1,0 +1,194 @@
+"""`tandem profile`'s fits and `tandem plan`'s mixes, recommendation, table and Helm values."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from services.bench import profile as profile_mod
+from services.bench.perf_model import DecodeModel, PrefillModel, TransferModel, attention_pairs
+from services.bench.plan import Mix, all_mixes, helm_values, recommend
+from services.bench.plan_validate import error
+from services.cluster.cli import main as cli
+
+
+def test_prefill_fit_recovers_linear_and_attention_costs():
+    true = PrefillModel(0.01, 5e-4, 2e-7)
+    pts = [{"tokens": b * n, "seqs": b, "pairs": b * attention_pairs(n), "seconds": true(b * n, b * attention_pairs(n))}
+           for n, b in ((16, 1), (128, 1), (512, 1), (1024, 1), (256, 4), (128, 8))]
+    fit = PrefillModel.fit(pts)
+    assert fit.base == pytest.approx(0.01, rel=1e-6)
+    assert fit.per_token == pytest.approx(5e-4, rel=1e-6)
+    assert fit.per_pair == pytest.approx(2e-7, rel=1e-6)
+    # one long prompt costs more than the same tokens in four short ones (attention)
+    assert fit(1024) > fit(1024, 4 * attention_pairs(256))
+    assert fit(0) == 0.0
+
+
+def test_fits_take_medians_and_never_go_negative():
+    pts = [{"batch": b, "context": c, "seconds": 0.005 + 0.001 * b + 1e-6 * c + noise}
+           for b, c in ((1, 100), (4, 400), (16, 1600), (16, 8000), (32, 3200)) for noise in (0.0, 0.0, 5.0)]
+    fit = DecodeModel.fit(pts)  # the one outlier per point is out-voted by the median
+    assert (fit.base, fit.per_seq, fit.per_ctx) == pytest.approx((0.005, 0.001, 1e-6), rel=1e-6)
+    falling = [{"tokens": t, "pairs": attention_pairs(t), "seconds": s}
+               for t, s in ((16, 0.3), (64, 0.2), (256, 0.25), (1024, 0.9))]
+    f = PrefillModel.fit(falling)
+    assert min(f.base, f.per_token, f.per_pair) >= 0.0
+
+
+def test_transfer_fit_is_latency_plus_bandwidth():
+    pts = [{"bytes": b, "seconds": 0.002 + b / 1e9} for b in (2**18, 2**20, 2**24)]
+    t = TransferModel.fit(pts)
+    assert t.latency == pytest.approx(0.002, rel=1e-6)
+    assert t.bytes_per_s == pytest.approx(1e9, rel=1e-6)
+    with pytest.raises(ValueError, match="two sizes"):
+        TransferModel.fit(pts[:1])
+    flat = TransferModel.fit([{"bytes": 2**18, "seconds": 0.03}, {"bytes": 2**24, "seconds": 0.02}])
+    assert flat.seconds_per_byte == 0.0 and flat(2**24) == pytest.approx(0.025)  # noise: latency only
+
+
+def test_mixes_parse_and_enumerate():
+    assert Mix.parse("2P+1D") == Mix(2, 1)
+    assert Mix.parse("colocatedx3") == Mix.parse("colocated×3") == Mix(0, 3, True)
+    assert Mix(2, 1).label == "2P+1D" and Mix(2, 1).workers == 3
+    for bad in ("0P+1D", "2P", "colocated0", "3"):
+        with pytest.raises(ValueError, match="xP\\+yD"):
+            Mix.parse(bad)
+    mixes = all_mixes(3)
+    assert [m.label for m in mixes] == ["colocated×1", "1P+1D", "colocated×2", "2P+1D", "1P+2D", "colocated×3"]
+
+
+def _result(label: str, cores: int, attainment_at: dict[float, float], good: float) -> dict:
+    return {"label": label, "cores": cores, "goodput": {"interpolated_rps": good},
+            "runs": [{"rate": r, "summary": {"attainment": {"both": a}}} for r, a in attainment_at.items()]}
+
+
+def test_recommend_picks_the_cheapest_mix_meeting_the_slo():
+    results = [_result("colocated×1", 1, {3.0: 0.5}, 1.0),
+               _result("1P+1D", 2, {3.0: 0.91}, 3.2),
+               _result("colocated×2", 2, {3.0: 0.95}, 3.6),  # same cost, more goodput: wins the tie
+               _result("2P+1D", 3, {3.0: 1.0}, 5.0)]
+    assert recommend(results, 3.0, 0.9)["label"] == "colocated×2"
+    assert recommend(results, 3.0, 0.99)["label"] == "2P+1D"
+    assert recommend(results[:1], 3.0, 0.9) is None
+    tie = [_result("1P+1D", 2, {3.0: 0.92}, 3.0), _result("colocated×2", 2, {3.0: 0.97}, 3.0)]
+    assert recommend(tie, 3.0, 0.9)["label"] == "colocated×2"  # same cost and goodput: more attainment
+
+
+def test_helm_values_set_the_worker_groups():
+    disagg = yaml.safe_load(helm_values(Mix(2, 1), "note"))
+    assert disagg == {"gateway": {"mode": "disaggregated"}, "prefill": {"replicas": 2, "workersPerPod": 1},
+                      "decode": {"replicas": 1, "workersPerPod": 1}}
+    colo = yaml.safe_load(helm_values(Mix(0, 3, True), "note"))
+    assert colo["gateway"]["mode"] == "colocated"
+    assert (colo["prefill"]["replicas"], colo["decode"]["replicas"]) == (0, 3)
+
+
+def test_prediction_error():
+    assert error(1.1, 1.0) == pytest.approx(0.1)
+    assert error(1.0, 0.0) is None
+
+
+def _profile(path, transfer: bool = True, device: str = "cpu") -> str:
+    pts = {"prefill": [{"tokens": n, "seqs": 1, "pairs": attention_pairs(n), "seconds": 0.01 + 4e-4 * n}
+                       for n in (16, 256, 1024)],
+           "decode": [{"batch": b, "context": c, "seconds": 0.01 + 0.001 * b}
+                      for b, c in ((1, 64), (8, 512), (32, 64))],
+           "mixed": [],
+           "transfer": [{"bytes": b, "seconds": 1e-3 + b / 1e9} for b in (2**20, 2**24)] if transfer else []}
+    prof = profile_mod.fit({
+        "schema": profile_mod.SCHEMA, "hardware": {"cpu": "test CPU", "cores": 4, "device": device},
+        "model": {"path": "unused"}, "worker": {"threads_per_worker": 1, "prefill_nice": 0},
+        "engine": {"max_num_batched_tokens": 2048, "max_num_seqs": 256, "block_size": 16, "num_blocks": 4096,
+                   "kv_bytes_per_token": 16384}, "points": pts})
+    path.write_text(json.dumps(prof))
+    return str(path)
+
+
+def test_tandem_plan_prints_the_table_and_writes_helm_values(tmp_path, capsys):
+    prof = _profile(tmp_path / "profile.json")
+    values = tmp_path / "values.yaml"
+    code = cli(["plan", "--profile", prof, "--preset", "interference", "--num-prompts", "20", "--rates", "1,2",
+                "--repeats", "1", "--mixes", "1P+1D,colocatedx2", "--helm-values", str(values), "--no-plots",
+                "--out-dir", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "1P+1D" in out and "colocated×2" in out and "recommended:" in out
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    assert plan["recommended"] in ("1P+1D", "colocated×2")
+    assert [r["label"] for r in plan["results"]] == ["1P+1D", "colocated×2"]
+    assert all(len(r["runs"]) == 2 for r in plan["results"])
+    chosen = Mix.parse(plan["recommended"].replace("×", "x"))
+    assert yaml.safe_load(values.read_text())["decode"]["replicas"] == chosen.decode
+
+
+def test_tandem_plan_says_when_no_mix_meets_the_slo(tmp_path, capsys):
+    prof = _profile(tmp_path / "profile.json")
+    code = cli(["plan", "--profile", prof, "--preset", "chat", "--num-prompts", "10", "--rates", "2",
+                "--repeats", "1", "--mixes", "colocatedx1", "--slo-ttft-ms", "1", "--no-plots",
+                "--out-dir", str(tmp_path / "out")])
+    assert code == 1
+    assert "no mix" in capsys.readouterr().out
+
+
+def test_tandem_plan_rejects_bad_input(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert cli(["plan", "--profile", str(bad), "--preset", "chat", "--no-plots"]) == 2
+    assert "not a tandem profile" in capsys.readouterr().err
+    no_transfer = _profile(tmp_path / "p.json", transfer=False)
+    assert cli(["plan", "--profile", no_transfer, "--preset", "chat", "--mixes", "1P+1D", "--no-plots",
+                "--out-dir", str(tmp_path / "o")]) == 2
+    assert "no KV transfer part" in capsys.readouterr().err
+    assert cli(["plan", "--profile", no_transfer, "--preset", "chat", "--mixes", "2Q", "--no-plots"]) == 2
+
+
+def test_background_sampler_leaves_out_our_own_threads():
+    import os
+    import threading
+
+    from services.bench.cpu_load import BackgroundSampler, own_runnable_threads, process_cpu_seconds
+
+    stop = threading.Event()
+    spinner = threading.Thread(target=lambda: [None for _ in iter(stop.is_set, True)], daemon=True)
+    spinner.start()  # one of our threads busy on a core
+    try:
+        assert own_runnable_threads([os.getpid()]) >= 1
+        sampler = BackgroundSampler(interval_s=0.01)
+        sampler.start()
+        while len(sampler.samples) < 3:
+            stop.wait(0.01)
+        assert sampler.stop() >= 0.0
+    finally:
+        stop.set()
+        spinner.join()
+    assert process_cpu_seconds(os.getpid()) > 0
+    assert process_cpu_seconds(2**22 + 12345) is None  # no such process
+
+
+def test_validation_table_shows_errors_and_unmeasured_mixes(capsys):
+    from services.bench.plan_validate import print_validation
+
+    row = {"mix": "1P+1D", "quiet_predicted_rps": 2.0, "as_profiled_rps": 1.1, "as_profiled_error": error(1.1, 1.0),
+           "background_threads": 3.2, "frontend_ms_per_token": 1.2, "predicted_rps": 1.2, "predicted_bounded": True,
+           "measured_rps": 1.0, "measured_bounded": True, "error": error(1.2, 1.0),
+           "load_avg_before": [5.0, 4.0, 3.0], "load_avg_after": [6.0, 5.0, 4.0]}
+    print_validation({"rows": [row, {"mix": "2P+1D", "failed": "did not become ready"}],
+                      "recommended_under_load": "1P+1D", "measured_best": "1P+1D", "measured_ranking": ["1P+1D"]})
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.strip().startswith("1P+1D"))
+    assert "+10%" in line and "+20%" in line and "5.00/6.00" in line
+    assert "2P+1D not measured: did not become ready" in out
+
+
+def test_a_gpu_profile_plans_one_gpu_per_worker_without_cpu_sharing(tmp_path, capsys):
+    prof = _profile(tmp_path / "profile.json", device="cuda:0")
+    code = cli(["plan", "--profile", prof, "--preset", "chat", "--num-prompts", "10", "--rates", "1",
+                "--repeats", "1", "--mixes", "1P+1D,colocatedx4", "--no-plots", "--out-dir", str(tmp_path / "out")])
+    assert code == 0
+    assert "one GPU per worker" in capsys.readouterr().out
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    assert plan["hardware"]["cores"] is None
+    assert plan["recommended"] == "1P+1D"  # the cheaper mix: 2 GPUs

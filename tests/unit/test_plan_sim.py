@@ -1,0 +1,117 @@
+"""The pool-sizing simulator against cases with closed-form answers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from services.bench.perf_model import DecodeModel, PrefillModel, StepModel, TransferModel
+from services.bench.cpu_share import Hardware, Job, nice_weight, share_cores
+from services.bench.plan_sim import Engine, SimRequest, Simulation
+
+KV_BYTES = 1000  # per token
+
+
+def steps(prefill_s: float = 0.1, per_token: float = 0.0, decode_base: float = 0.02, per_seq: float = 0.0,
+          per_ctx: float = 0.0) -> StepModel:
+    return StepModel(PrefillModel(prefill_s, per_token, 0.0), DecodeModel(decode_base, per_seq, per_ctx))
+
+
+def simulate(requests, *, prefill=1, decode=1, colocated=False, model=None, cores=8.0, budget=2048,
+             transfer=TransferModel(0.005, 1e-6), threads=1, prefill_nice=0):
+    sim = Simulation(requests, prefill=prefill, decode=decode, colocated=colocated, steps=model or steps(),
+                     transfer=transfer, engine=Engine(budget, 256, 16, 100_000, KV_BYTES),
+                     hardware=Hardware(cores, threads, prefill_nice))
+    return sim.run().records
+
+
+def req(t: float, prompt_len: int, out: int, i: int = 0) -> SimRequest:
+    return SimRequest(t, tuple(range(i * 7, i * 7 + prompt_len)), out)
+
+
+def test_single_prefill_worker_is_an_md1_queue():
+    # One prompt per step (budget = prompt length), deterministic service D, Poisson arrivals:
+    # mean time in system D + rho*D / (2(1 - rho)) (Pollaczek-Khinchine).
+    d, rate, n = 0.1, 5.0, 20_000
+    arrivals = np.cumsum(np.random.default_rng(1).exponential(1 / rate, n))
+    recs = simulate([req(float(t), 16, 1, i) for i, t in enumerate(arrivals)], model=steps(prefill_s=d), budget=16)
+    rho = rate * d
+    expected = d + rho * d / (2 * (1 - rho))
+    ttft = np.mean([r["ttft_s"] for r in recs])
+    assert all(r["ok"] and r["output_tokens"] == 1 for r in recs)
+    assert ttft == pytest.approx(expected, rel=0.04)
+
+
+def test_decode_batch_tpot_is_the_profiled_step_time():
+    # 8 requests at once on one colocated worker: one prefill step for all, then every
+    # decode step has the whole batch, so TPOT is decode(8) exactly.
+    model = steps(prefill_s=0.3, decode_base=0.01, per_seq=0.002)
+    recs = simulate([req(0.0, 32, 20, i) for i in range(8)], decode=1, colocated=True, model=model)
+    for r in recs:
+        assert r["ttft_s"] == pytest.approx(0.3)
+        assert r["tpot_s"] == pytest.approx(0.01 + 8 * 0.002)
+        assert r["output_tokens"] == 20
+
+
+def test_one_disaggregated_request_adds_the_transfer_before_token_two():
+    model = steps(prefill_s=0.2, decode_base=0.02, per_ctx=1e-5)
+    transfer = TransferModel(0.004, 1 / 2e6)
+    prompt, out = 100, 5
+    (r,) = simulate([req(1.0, prompt, out)], model=model, transfer=transfer)
+    xfer = 0.004 + prompt * KV_BYTES / 2e6
+    # decode step k attends the prompt plus the tokens so far: context prompt + k
+    decode = sum(0.02 + 1e-5 * (prompt + k) for k in range(1, out))
+    assert r["ttft_s"] == pytest.approx(0.2)
+    assert r["e2e_s"] == pytest.approx(0.2 + xfer + decode)
+    assert r["itl_s"][0] == pytest.approx(xfer + 0.02 + 1e-5 * (prompt + 1))
+
+
+def test_chunked_prefill_splits_a_prompt_across_steps():
+    # budget 100: a 250-token prompt takes 3 steps of 100, 100, 50 tokens (per_token cost only)
+    model = steps(prefill_s=0.0, per_token=0.001)
+    (r,) = simulate([req(0.0, 250, 1)], decode=1, colocated=True, model=model, budget=100)
+    assert r["ttft_s"] == pytest.approx(0.25)
+
+
+def test_workers_sharing_a_core_run_at_half_speed():
+    # Two colocated workers, one request each at t=0: on 2 cores each prefill takes D, on
+    # one core both take 2D (processor sharing).
+    two = [req(0.0, 16, 1, 0), req(0.0, 16, 1, 1)]
+    fast = simulate(two, decode=2, colocated=True, model=steps(prefill_s=0.1), cores=2)
+    slow = simulate(two, decode=2, colocated=True, model=steps(prefill_s=0.1), cores=1)
+    assert [r["ttft_s"] for r in fast] == pytest.approx([0.1, 0.1])
+    assert [r["ttft_s"] for r in slow] == pytest.approx([0.2, 0.2])
+
+
+def test_share_cores_caps_threads_and_weighs_niceness():
+    a, b = Job(1, 1.0), Job(1, 1.0)
+    share_cores([a, b], 4)
+    assert (a.rate, b.rate) == (1.0, 1.0)  # never above one core per thread
+    share_cores([a, b], 1)
+    assert (a.rate, b.rate) == pytest.approx((0.5, 0.5))
+    nice = Job(1, nice_weight(10))
+    share_cores([a, nice], 1)
+    assert a.rate == pytest.approx(1 / (1 + 1.25 ** -10))
+    assert a.rate + nice.rate == pytest.approx(1.0)
+    idle = Job(0, 1.0)
+    share_cores([a, idle], 1)
+    assert (a.rate, idle.rate) == (1.0, 0.0)
+
+
+def test_router_spreads_prompts_over_prefill_workers():
+    # Two prefill workers, two simultaneous prompts: the real router sends the second
+    # to the worker with the smaller backlog, so both finish after one prefill.
+    recs = simulate([req(0.0, 64, 1, 0), req(0.0, 64, 1, 1)], prefill=2, decode=1, model=steps(prefill_s=0.1))
+    assert [r["ttft_s"] for r in recs] == pytest.approx([0.1, 0.1])
+    one = simulate([req(0.0, 64, 1, 0), req(0.0, 64, 1, 1)], prefill=1, decode=1, model=steps(prefill_s=0.1),
+                   budget=64)
+    assert sorted(r["ttft_s"] for r in one) == pytest.approx([0.1, 0.2])
+
+
+def test_a_mix_needs_its_workers():
+    with pytest.raises(ValueError, match="prefill worker"):
+        Simulation([], prefill=0, decode=1, colocated=False, steps=steps(), transfer=TransferModel(0, 1),
+                   engine=Engine(), hardware=Hardware(2))
+    with pytest.raises(ValueError, match="transfer"):
+        Simulation([], prefill=1, decode=1, colocated=False, steps=steps(), transfer=None,
+                   engine=Engine(), hardware=Hardware(2))
