@@ -37,7 +37,8 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     slot = tl.load(slot_ptr + t)
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
-    ok = (slot >= 0) & (h[:, None] < NUM_KV_HEADS) & (d[None, :] < HEAD_DIM)
+    # the slot test broadcast to a tensor: newer interpreters refuse a scalar mask operand
+    ok = (h[:, None] < NUM_KV_HEADS) & (d[None, :] < HEAD_DIM) & (h[:, None] * 0 + slot >= 0)
     safe = tl.where(slot >= 0, slot, 0)
     dst = (safe // block_size) * stride_cb + (safe % block_size) * stride_cs \
         + h[:, None] * stride_ch + d[None, :]
