@@ -44,6 +44,22 @@ class Backend(Protocol):
         """Seconds from submitting one prompt to its first token."""
 
 
+class TimedBackend:
+    """A ``Backend`` whose calls are one timed greedy generation each; subclasses give
+    ``_generate`` (the ids of each prompt's ``output_len`` tokens)."""
+
+    def _generate(self, prompts: list[list[int]], output_len: int) -> list[list[int]]:
+        raise NotImplementedError
+
+    def generate(self, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
+        t0 = time.perf_counter()
+        ids = self._generate(prompts, output_len)
+        return time.perf_counter() - t0, ids
+
+    def ttft(self, prompt: list[int]) -> float:
+        return self.generate([prompt], 1)[0]
+
+
 def serve(load: Callable[..., tuple[Backend, dict[str, Any]]]) -> int:
     """Answer requests on stdin until ``quit`` or EOF. ``load(**request)`` builds the backend."""
     proto = os.fdopen(os.dup(1), "w", buffering=1)

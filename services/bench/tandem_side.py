@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import sys
-import time
 from typing import Any
 
-from services.bench.side_protocol import serve
+from services.bench.side_protocol import TimedBackend, serve
 
 
-class TandemBackend:
+class TandemBackend(TimedBackend):
     """``services.engine.LLM`` over a model folder; greedy, EOS ignored, prompts as token ids."""
 
     def __init__(self, model: str, threads: int, max_model_len: int, max_num_batched_tokens: int,
@@ -23,20 +22,12 @@ class TandemBackend:
                        max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False,
                        onednn=onednn, cpu_kernels=cpu_kernels)
 
-    def _run(self, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
+    def _generate(self, prompts: list[list[int]], output_len: int) -> list[list[int]]:
         from services.engine import SamplingParams
 
         params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-        t0 = time.perf_counter()
         outs = self.llm.generate(prompts, params)
-        elapsed = time.perf_counter() - t0
-        return elapsed, [list(o.outputs[0].token_ids) for o in outs]
-
-    def generate(self, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
-        return self._run(prompts, output_len)
-
-    def ttft(self, prompt: list[int]) -> float:
-        return self._run([prompt], 1)[0]
+        return [list(o.outputs[0].token_ids) for o in outs]
 
 
 def load(**req: Any) -> tuple[TandemBackend, dict[str, Any]]:

@@ -9,13 +9,12 @@ driver sets the thread binding (``VLLM_CPU_OMP_THREADS_BIND``) and the KV cache 
 from __future__ import annotations
 
 import sys
-import time
 from typing import Any
 
-from services.bench.side_protocol import serve
+from services.bench.side_protocol import TimedBackend, serve
 
 
-class VllmBackend:
+class VllmBackend(TimedBackend):
     """``vllm.LLM`` over a model folder; greedy, EOS ignored, prompts as token ids."""
 
     def __init__(self, model: str, max_model_len: int, max_num_batched_tokens: int,
@@ -26,21 +25,13 @@ class VllmBackend:
                        max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
                        enable_prefix_caching=False)
 
-    def _run(self, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
+    def _generate(self, prompts: list[list[int]], output_len: int) -> list[list[int]]:
         from vllm import SamplingParams
 
         params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
         inputs: Any = [{"prompt_token_ids": p} for p in prompts]
-        t0 = time.perf_counter()
         outs = self.llm.generate(inputs, params, use_tqdm=False)
-        elapsed = time.perf_counter() - t0
-        return elapsed, [list(o.outputs[0].token_ids) for o in outs]
-
-    def generate(self, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
-        return self._run(prompts, output_len)
-
-    def ttft(self, prompt: list[int]) -> float:
-        return self._run([prompt], 1)[0]
+        return [list(o.outputs[0].token_ids) for o in outs]
 
 
 def load(**req: Any) -> tuple[VllmBackend, dict[str, Any]]:
