@@ -64,7 +64,42 @@ def _is_loopback(address: str) -> bool:
     return ip.is_loopback
 
 
-class Served:
+class ProcessTree:
+    """A process started in a session of its own; remembers every process of its tree so
+    ``stop()`` can end them all, even those that outlive their parent."""
+
+    def __init__(self, proc: subprocess.Popen, stop_grace_s: float) -> None:
+        self.proc, self.stop_grace_s = proc, stop_grace_s
+        self.root = psutil.Process(proc.pid)
+        self.seen: dict[int, psutil.Process] = {}
+
+    def remember(self) -> list[psutil.Process]:
+        procs = _tree(self.root)
+        self.seen |= {p.pid: p for p in procs}
+        return procs
+
+    def stop(self) -> None:
+        """SIGTERM, ``stop_grace_s`` to end cleanly, then kill what is left of the tree."""
+        self.remember()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(self.stop_grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        leftovers = [p for p in self.seen.values() if p.is_running()]
+        for p in leftovers:  # only processes of this tree
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(leftovers, timeout=30)
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+
+
+class Served(ProcessTree):
     """`tandem serve ARGS` in its own session; ``stop()`` ends every process it started."""
 
     def __init__(self, tmp_path: Path, *args: str) -> None:
@@ -75,15 +110,9 @@ class Served:
         cmd = [sys.executable, "-m", "services.cluster.cli", "serve", "--port", str(self.port),
                "--kv-cache-gb", "0.25", *args]
         with open(self.log, "w") as out:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-        self.root = psutil.Process(self.proc.pid)
-        self.seen: dict[int, psutil.Process] = {}
-
-    def remember(self) -> list[psutil.Process]:
-        procs = _tree(self.root)
-        self.seen |= {p.pid: p for p in procs}
-        return procs
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        super().__init__(proc, stop_grace_s=120)  # SIGTERM: drains, then shuts its Ray down
 
     def wait_ready(self, url: str) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -99,25 +128,6 @@ class Served:
             if time.monotonic() > deadline:
                 pytest.fail(f"tandem serve not ready within {START_TIMEOUT_S} s:\n{self.log.read_text()}")
             time.sleep(1)
-
-    def stop(self) -> None:
-        self.remember()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)  # drains, then shuts its Ray down
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                pass
-        leftovers = [p for p in self.seen.values() if p.is_running()]
-        for p in leftovers:  # only processes of this server's tree
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(leftovers, timeout=30)
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(30)
 
 
 @pytest.fixture

@@ -17,7 +17,6 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -31,7 +30,7 @@ import pytest
 from services.common.sampling_params import SamplingParams
 from services.engine import LLM
 from tests.integration.test_cluster import block_bytes
-from tests.integration.test_listeners import Served, _is_loopback, _listeners, _tree
+from tests.integration.test_listeners import ProcessTree, Served, _is_loopback, _listeners
 
 psutil = pytest.importorskip("psutil")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
@@ -62,44 +61,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class RayNode:
+class RayNode(ProcessTree):
     """One `ray start --block` in a session of its own; ``stop()`` ends its process tree."""
 
     def __init__(self, args: list[str], env: dict[str, str], log: Path) -> None:
         self.log = log
         with open(log, "w") as out:
-            self.proc = subprocess.Popen([sys.executable, "-c", RAY_START, "start", "--block",
-                                          "--node-ip-address", "127.0.0.1", "--num-cpus", "1",
-                                          "--object-store-memory", str(100 << 20),
-                                          "--disable-usage-stats", *args],
-                                         cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-        self.root = psutil.Process(self.proc.pid)
-        self.seen: dict[int, psutil.Process] = {}
-
-    def remember(self) -> list[psutil.Process]:
-        procs = _tree(self.root)
-        self.seen |= {p.pid: p for p in procs}
-        return procs
-
-    def stop(self) -> None:
-        self.remember()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)  # ray start --block stops its node
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                pass
-        leftovers = [p for p in self.seen.values() if p.is_running()]
-        for p in leftovers:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(leftovers, timeout=30)
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(30)
+            proc = subprocess.Popen([sys.executable, "-c", RAY_START, "start", "--block",
+                                     "--node-ip-address", "127.0.0.1", "--num-cpus", "1",
+                                     "--object-store-memory", str(100 << 20),
+                                     "--disable-usage-stats", *args],
+                                    cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        super().__init__(proc, stop_grace_s=30)  # SIGTERM: ray start --block stops its node
 
 
 def _wait_for_port(port: int, node: RayNode) -> None:
