@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -48,6 +49,36 @@ def _children() -> dict[int, list[int]]:
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
         kids.setdefault(ppid, []).append(int(d.name))
     return kids
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """User + system CPU seconds of ``root`` and all its live descendants."""
+    kids = _children()
+    todo, seen, total = [root], set(), 0.0
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        todo += kids.get(pid, [])
+        total += process_cpu_seconds(pid) or 0.0
+    return total
+
+
+def wait_until_idle(root: int, max_s: float = 15.0, window_s: float = 0.1,
+                    busy_cores: float = 0.05) -> float:
+    """Wait until the process tree of ``root`` uses under ``busy_cores`` of CPU over a
+    ``window_s`` window (some engines keep polling for a while after a request); at most
+    ``max_s``. Returns the seconds waited."""
+    t0 = time.monotonic()
+    before = tree_cpu_seconds(root)
+    while time.monotonic() - t0 < max_s:
+        time.sleep(window_s)
+        now = tree_cpu_seconds(root)
+        if now - before < busy_cores * window_s:
+            break
+        before = now
+    return time.monotonic() - t0
 
 
 def own_runnable_threads(roots: Iterable[int]) -> int:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services.bench.cpu_load import wait_until_idle
 from services.bench.side_protocol import Side, SideError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -134,6 +135,16 @@ def run(plan: Plan, vllm_python: str, vocab: int, kv_cache_gb: float = 2.0,
     order: list[str] = []
     agree = total = 0
     stopped: str | None = None
+    settle = {name: 0.0 for name in sides}  # longest wait for a side to go idle after its call
+
+    def measured(name: str, op: str, **fields: Any) -> dict[str, Any]:
+        # vLLM's engine keeps a core busy polling for about a second after each request:
+        # the other side waits for it, so neither is measured against the other's leftovers.
+        for other, side in sides.items():
+            if other != name:
+                settle[other] = max(settle[other], wait_until_idle(side.pid))
+        return sides[name].call(op, RUN_TIMEOUT_S, **fields)
+
     try:
         for rnd in range(plan.runs + 1):  # round 0 warms both sides up and is not counted
             names = ["tandem", "vllm"] if rnd % 2 else ["vllm", "tandem"]
@@ -144,15 +155,14 @@ def run(plan: Plan, vllm_python: str, vocab: int, kv_cache_gb: float = 2.0,
             secs: dict[int, dict[str, float]] = {n: {} for n in plan.ttft_lens}
             try:
                 for name in names:
-                    reply = sides[name].call("generate", RUN_TIMEOUT_S, prompts=prompts,
-                                             output_len=plan.output_len)
+                    reply = measured(name, "generate", prompts=prompts, output_len=plan.output_len)
                     tokens[name] = reply["tokens"]
                     tput[name] = plan.num_prompts * plan.output_len / reply["elapsed_s"]
                     progress(f"  round {rnd}{' (warm-up)' if not rnd else ''}: {name:6s} "
                              f"{tput[name]:8.1f} output tok/s")
                 for n, prompt in long_prompts.items():
                     for name in names:
-                        secs[n][name] = sides[name].call("ttft", RUN_TIMEOUT_S, prompt=prompt)["elapsed_s"]
+                        secs[n][name] = measured(name, "ttft", prompt=prompt)["elapsed_s"]
                         progress(f"  round {rnd}: {name:6s} TTFT {n:5d} tokens {secs[n][name] * 1e3:8.1f} ms")
             except SideError as e:
                 if rnd <= 1:
@@ -174,7 +184,7 @@ def run(plan: Plan, vllm_python: str, vocab: int, kv_cache_gb: float = 2.0,
             "throughput": throughput.summary(),
             "ttft": {str(n): _ttft_summary(s) for n, s in ttft.items()},
             "greedy_identical": agree, "greedy_total": total, "logs": log_dir,
-            "rounds": len(order) // 2, "stopped": stopped}
+            "rounds": len(order) // 2, "stopped": stopped, "settle_s": settle}
 
 
 def _ttft_summary(series: Series) -> dict[str, Any]:
@@ -205,6 +215,9 @@ def report(result: dict[str, Any], plan: Plan) -> list[str]:
                      f"({s['tandem']['min_s'] * 1e3:.0f}-{s['tandem']['max_s'] * 1e3:.0f}), vllm "
                      f"{s['vllm']['median_s'] * 1e3:8.1f} ms ({s['vllm']['min_s'] * 1e3:.0f}-"
                      f"{s['vllm']['max_s'] * 1e3:.0f}) -> tandem {s['ratio_of_medians']:.2f}x as fast")
+    waits = ", ".join(f"{name} {secs:.1f} s" for name, secs in result.get("settle_s", {}).items())
+    if waits:
+        lines.append(f"  each call waited for the other side to go idle; longest wait after a call: {waits}")
     if result["stopped"]:
         lines.append(f"  INCOMPLETE: {result['stopped']}")
     return lines

@@ -116,6 +116,11 @@ class Side:
             self._replies.put(line)
         self._replies.put(None)
 
+    @property
+    def pid(self) -> int:
+        """The side's process (the root of its process tree)."""
+        return self._proc.pid
+
     def call(self, op: str, timeout_s: float, **fields: Any) -> dict[str, Any]:
         """Send one request and wait for its reply; raises :class:`SideError`."""
         assert self._proc.stdin is not None

@@ -225,15 +225,21 @@ class ModelRunner:
         valid = i[None, :] < lens[:, None]  # [B, Q]
         token_index = torch.where(valid, offsets[:, None] + i[None, :], 0)
         q_pos = starts[:, None] + torch.minimum(i[None, :], lens[:, None] - 1)  # [B, Q]
-        k_pos = torch.arange(max_blocks * bs)
-        mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, Q, K]
-        if self.sliding_window is not None:
-            mask &= k_pos[None, None, :] > q_pos[:, :, None] - self.sliding_window
         all_valid = bool(valid.all())
+        # whole prompts of one length from position 0: plain causal attention, no mask
+        causal = q_len > 1 and all_valid and not bool(starts.any()) and (
+            self.sliding_window is None or self.sliding_window >= q_len)
+        mask = None
+        if not causal:
+            k_pos = torch.arange(max_blocks * bs)
+            mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, Q, K]
+            if self.sliding_window is not None:
+                mask &= k_pos[None, None, :] > q_pos[:, :, None] - self.sliding_window
+            mask = mask.unsqueeze(1).to(dev)
         return AttentionGroup(
             token_index=token_index.to(dev),
             valid_flat=None if all_valid else valid.flatten().nonzero().squeeze(1).to(dev),
             token_rows=token_index[valid].to(dev),
             block_table=table.to(dev),
             last_pos=(starts + lens - 1).to(dev),
-            mask=mask.unsqueeze(1).to(dev))
+            mask=mask)

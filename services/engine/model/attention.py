@@ -32,7 +32,9 @@ class AttentionGroup:
     token_rows: torch.Tensor  # [N] long: flat token row of each real query
     block_table: torch.Tensor  # [B, max_blocks] long (padding -> block 0)
     last_pos: torch.Tensor  # [B] long: position of each sequence's last query
-    mask: torch.Tensor | None  # [B, 1, Q, K] bool, True = may attend; None = no masking needed
+    mask: torch.Tensor | None  # [B, 1, Q, K] bool, True = may attend; None = causal
+    # None mask: every sequence's Q queries are its first Q positions, so plain causal
+    # attention over the first Q keys is exact (SDPA skips the upper triangle's tiles)
 
 
 @dataclass
@@ -114,8 +116,10 @@ class TorchPagedAttention:
     def _group(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                g: AttentionGroup) -> torch.Tensor:
         qg = q[g.token_index].transpose(1, 2)  # [B, H, Q, D]
-        kg = k_cache[g.block_table].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [B, KVH, K, D]
-        vg = v_cache[g.block_table].flatten(1, 2).transpose(1, 2).to(q.dtype)
+        keys = None if g.mask is not None else qg.shape[2]  # causal: the first Q keys
+        kg = k_cache[g.block_table].flatten(1, 2)[:, :keys].transpose(1, 2).to(q.dtype)  # [B, KVH, K, D]
+        vg = v_cache[g.block_table].flatten(1, 2)[:, :keys].transpose(1, 2).to(q.dtype)
         o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.scale,
+                                           is_causal=g.mask is None,
                                            enable_gqa=qg.shape[1] != kg.shape[1])
         return o.transpose(1, 2)  # [B, Q, H, D]
