@@ -45,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runs", type=int, default=3, help="measured runs per side with --vllm-python")
     p.add_argument("--ttft-lens", default="256,1024,4096",
                    help="prompt lengths whose time to first token is measured with --vllm-python")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="weights, activations and KV of both sides with --vllm-python (bfloat16 is "
+                        "fast on CPUs with AVX-512 BF16 or AMX)")
     p.add_argument("--vllm-kv-cache-gb", type=float, default=2.0,
                    help="vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE) with --vllm-python")
 
@@ -55,10 +58,14 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def read_bandwidth_gbs(num_bytes: int = 256 * 2**20, repeats: int = 5) -> float:
-    """Best-of-N streaming read bandwidth (GB/s) of a large fp32 tensor sum."""
+    """Best-of-N streaming read bandwidth (GB/s) of a large fp32 tensor sum.
+
+    Random values, not a constant: pages of one repeated value may be merged or served
+    from cache by the host and read several times faster than the weights can be.
+    """
     import torch
 
-    x = torch.ones(num_bytes // 4)
+    x = torch.rand(num_bytes // 4)
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -154,7 +161,7 @@ def main_vllm(args: argparse.Namespace, path: str) -> int:
                              input_len=args.input_len, output_len=args.output_len,
                              ttft_lens=sorted(set(clipped)), runs=args.runs, seed=args.seed,
                              max_model_len=context, onednn=not args.no_onednn,
-                             cpu_kernels=not args.no_cpu_kernels)
+                             cpu_kernels=not args.no_cpu_kernels, dtype=args.dtype)
     print(runinfo.machine_line(), flush=True)
     if clipped != lens:
         print(f"  TTFT lengths clipped to the model's context minus one: {plan.ttft_lens}")

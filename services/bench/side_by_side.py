@@ -51,6 +51,7 @@ class Plan:
     max_num_batched_tokens: int = 4096
     onednn: bool = True
     cpu_kernels: bool = True
+    dtype: str = "float32"  # both sides
 
 
 @dataclass
@@ -116,7 +117,7 @@ def start_sides(plan: Plan, vllm_python: str, kv_cache_gb: float, log_dir: str) 
             side.info = side.call("load", LOAD_TIMEOUT_S, model=plan.model, threads=plan.threads,
                                   max_model_len=plan.max_model_len,
                                   max_num_batched_tokens=plan.max_num_batched_tokens,
-                                  seed=plan.seed, **extra)["info"]
+                                  seed=plan.seed, dtype=plan.dtype, **extra)["info"]
     except BaseException:
         for side in sides.values():
             side.close()
@@ -203,7 +204,7 @@ def report(result: dict[str, Any], plan: Plan) -> list[str]:
     t = result["throughput"]
     engine = result["sides"]["vllm"].get("engine", "vllm")
     lines = [f"tandem vs {engine}: {result['rounds']} interleaved runs each, "
-             f"{plan.threads} threads, {plan.num_prompts} prompts x ({plan.input_len} in, {plan.output_len} out)"]
+             f"{plan.threads} threads, {plan.dtype}, {plan.num_prompts} prompts x ({plan.input_len} in, {plan.output_len} out)"]
     for side in ("tandem", "vllm"):
         lines.append(f"  {side:6s} output tok/s  median {t[side]['median']:8.1f}  "
                      f"(min {t[side]['min']:.1f}, max {t[side]['max']:.1f})")

@@ -10,7 +10,7 @@ library only.
 Wire format, one JSON object per line. Requests on the side's stdin::
 
     {"op": "load", "model": DIR, "threads": N, "max_model_len": N,
-     "max_num_batched_tokens": N, "seed": N}
+     "max_num_batched_tokens": N, "seed": N, "dtype": "float32"|"bfloat16"}
     {"op": "generate", "prompts": [[ids]], "output_len": N}   # greedy, ignore_eos
     {"op": "ttft", "prompt": [ids]}                            # one prompt, one token
     {"op": "quit"}

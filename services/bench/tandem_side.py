@@ -12,7 +12,8 @@ class TandemBackend(TimedBackend):
     """``services.engine.LLM`` over a model folder; greedy, EOS ignored, prompts as token ids."""
 
     def __init__(self, model: str, threads: int, max_model_len: int, max_num_batched_tokens: int,
-                 seed: int, onednn: bool = True, cpu_kernels: bool = True) -> None:
+                 seed: int, onednn: bool = True, cpu_kernels: bool = True,
+                 dtype: str = "float32") -> None:
         import torch
 
         from services.engine import LLM
@@ -20,7 +21,7 @@ class TandemBackend(TimedBackend):
         torch.set_num_threads(threads)
         self.llm = LLM(model, num_threads=threads, seed=seed, max_model_len=max_model_len,
                        max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False,
-                       onednn=onednn, cpu_kernels=cpu_kernels)
+                       onednn=onednn, cpu_kernels=cpu_kernels, dtype=dtype)
 
     def _generate(self, prompts: list[list[int]], output_len: int) -> list[list[int]]:
         from services.engine import SamplingParams
@@ -37,7 +38,8 @@ def load(**req: Any) -> tuple[TandemBackend, dict[str, Any]]:
     backend = TandemBackend(req["model"], int(req["threads"]), int(req["max_model_len"]),
                             int(req["max_num_batched_tokens"]), int(req["seed"]),
                             onednn=bool(req.get("onednn", True)),
-                            cpu_kernels=bool(req.get("cpu_kernels", True)))
+                            cpu_kernels=bool(req.get("cpu_kernels", True)),
+                            dtype=str(req.get("dtype", "float32")))
     return backend, {"engine": "tandem", "torch": torch.__version__}
 
 

@@ -18,10 +18,10 @@ class VllmBackend(TimedBackend):
     """``vllm.LLM`` over a model folder; greedy, EOS ignored, prompts as token ids."""
 
     def __init__(self, model: str, max_model_len: int, max_num_batched_tokens: int,
-                 seed: int) -> None:
+                 seed: int, dtype: str = "float32") -> None:
         from vllm import LLM
 
-        self.llm = LLM(model=model, tokenizer=model, dtype="float32", seed=seed,
+        self.llm = LLM(model=model, tokenizer=model, dtype=dtype, seed=seed,
                        max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
                        enable_prefix_caching=False)
 
@@ -40,7 +40,8 @@ def load(**req: Any) -> tuple[VllmBackend, dict[str, Any]]:
     import vllm
 
     backend = VllmBackend(req["model"], int(req["max_model_len"]),
-                          int(req["max_num_batched_tokens"]), int(req["seed"]))
+                          int(req["max_num_batched_tokens"]), int(req["seed"]),
+                          str(req.get("dtype", "float32")))
     return backend, {"engine": f"vllm {vllm.__version__}", "torch": torch.__version__}
 
 

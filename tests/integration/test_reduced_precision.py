@@ -15,7 +15,7 @@ from torch import nn
 from services.common.sampling_params import SamplingParams
 from services.engine.llm import LLM
 from services.engine.model import cpu_features, cpu_kernels, loader
-from services.engine.model.onednn import PackedLinear
+from services.engine.model.onednn import CpuLinear
 from services.engine.model.quantized import Int8Linear
 
 STEPS = 8
@@ -52,13 +52,17 @@ def fp32_llm(checkpoint) -> LLM:
 def test_fp32_keeps_one_weight_copy(fp32_llm):
     model = fp32_llm.engine.runner.model
     assert not any(isinstance(m, nn.Linear) for m in model.modules()), "dense Linear left"
-    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    assert packed and all(m.packed.dtype == torch.float32 for m in packed)
+    linears = [m for m in model.modules() if isinstance(m, CpuLinear)]
+    assert linears and all(m.weight.dtype == torch.float32 for m in linears)
     dense_2d = [n for n, p in model.named_parameters() if p.dim() == 2]
-    assert dense_2d == ["embed_tokens.weight"]  # the lookup table; projections only packed
+    assert dense_2d == ["embed_tokens.weight"]  # the lookup table; projections only in CpuLinear
     table = model.embed_tokens.weight
-    assert model.weight_bytes() - model.weight_bytes(include_embedding=False) \
-        == table.numel() * table.element_size()
+    if model.config.tie_word_embeddings:  # the head is the table: stored once, read every step
+        assert model.lm_head.weight.data_ptr() == table.data_ptr()
+        assert model.weight_bytes() == model.weight_bytes(include_embedding=False)
+    else:
+        assert model.weight_bytes() - model.weight_bytes(include_embedding=False) \
+            == table.numel() * table.element_size()
 
 
 @pytest.mark.skipif(not cpu_features.has_native_bf16(), reason="no AVX-512 BF16 / AMX")
@@ -66,7 +70,7 @@ def test_bf16_weights_and_kv_stay_close_to_fp32(checkpoint, fp32_llm):
     low = _llm(checkpoint, dtype="bfloat16")
     model = low.engine.runner.model
     assert low.engine.kv_cache.kv.dtype == torch.bfloat16
-    assert {m.packed.dtype for m in model.modules() if isinstance(m, PackedLinear)} == {torch.bfloat16}
+    assert {m.weight.dtype for m in model.modules() if isinstance(m, CpuLinear)} == {torch.bfloat16}
     assert model.act_dtype == torch.float32
     assert model.weight_bytes() < 0.55 * fp32_llm.engine.runner.model.weight_bytes()
     agreement, gap = _closeness(low, fp32_llm)
@@ -78,7 +82,7 @@ def test_int8_weights_stay_close_to_fp32(checkpoint, fp32_llm):
     low = _llm(checkpoint, dtype="float32", quantization="int8")
     model = low.engine.runner.model
     quantized = [m for m in model.modules() if isinstance(m, Int8Linear)]
-    assert quantized and not any(isinstance(m, (nn.Linear, PackedLinear)) for m in model.modules())
+    assert quantized and not any(isinstance(m, (nn.Linear, CpuLinear)) for m in model.modules())
     if cpu_kernels.load() is not None:
         assert all(m.kernels is not None for m in quantized)  # decode rows on the int8 kernel
     full_bytes = fp32_llm.engine.runner.model.weight_bytes(include_embedding=False)
@@ -95,7 +99,7 @@ def test_bf16_without_native_support_falls_back_to_the_torch_path(checkpoint, fp
         low = _llm(checkpoint, dtype="bfloat16")
     assert "no AVX-512 BF16 or AMX" in caplog.text
     model = low.engine.runner.model
-    assert not any(isinstance(m, PackedLinear) for m in model.modules())
+    assert not any(isinstance(m, CpuLinear) for m in model.modules())
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     agreement, gap = _closeness(low, fp32_llm)
     assert agreement >= 0.5 and gap < 0.2, (agreement, gap)

@@ -69,3 +69,28 @@ def test_int8_linear_matches_the_dequantized_matmul(rows, bias):
     torch.testing.assert_close(kernels.int8_linear(x, w, scale, b), ref, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="int8"):
         kernels.int8_linear(x, w.float(), scale, b)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k,bias", [(300, 200, True), (7, 37, False), (1030, 512, False)])
+def test_gemv_matches_the_matmul(rows, dtype, n, k, bias):
+    """Odd sizes: a tail of fewer than 4 output rows, K not a multiple of 16, one thread's share."""
+    gen = torch.Generator().manual_seed(rows * n)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen) if bias else None
+    x = torch.randn(rows, k, generator=gen)
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double()).float()
+    torch.testing.assert_close(kernels.gemv(x, w, b), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_gemv_refuses_what_it_cannot_compute():
+    x, w = torch.randn(5, 16), torch.randn(8, 16)
+    with pytest.raises(ValueError, match="1..4 rows"):
+        kernels.gemv(x, w, None)
+    with pytest.raises(ValueError, match="matching"):
+        kernels.gemv(x[:2], w[:, :8].contiguous(), None)
+    with pytest.raises(ValueError, match="fp32 or bf16"):
+        kernels.gemv(x[:2], w.half(), None)
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.gemv(x[:2], w.t().contiguous().t(), None)

@@ -30,12 +30,13 @@ from services.common.cache_dir import cache_dir
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("paged_decode.c", "fused_ops.c", "int8_linear.c")
+_SOURCES = ("paged_decode.c", "fused_ops.c", "int8_linear.c", "gemv.c")
 _HEADERS = ("vexp.h", "team.h", "kv_load.h", "paged_decode_impl.h")
 _KV_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-fPIC",
           "-shared", "-std=c11"]
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+GEMV_MAX_ROWS = 4  # TANDEM_GEMV_MAX_ROWS in csrc/gemv.c
 
 
 class CpuKernels:
@@ -52,6 +53,12 @@ class CpuKernels:
         self._int8_linear = lib.tandem_int8_linear_f32
         self._int8_linear.restype = ctypes.c_int
         self._int8_linear.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]
+        self._gemv = {}
+        for dtype, suffix in _KV_DTYPES.items():
+            fn = getattr(lib, f"tandem_gemv_{suffix}")
+            fn.restype = ctypes.c_int
+            fn.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]
+            self._gemv[dtype] = fn
         self._add_rms_norm = lib.tandem_add_rms_norm_f32
         self._add_rms_norm.restype = None
         self._add_rms_norm.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32]
@@ -120,6 +127,21 @@ class CpuKernels:
                           _head_splits(rows.shape[0], kv_heads))
         if rc != 0:
             raise MemoryError("paged_decode could not allocate its scratch buffers")
+
+    def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x [M, K] @ weight [N, K].T + bias [N]`` for ``M <= GEMV_MAX_ROWS``, fp32 ``[M, N]``.
+
+        ``x`` and ``bias`` fp32, ``weight`` contiguous fp32 or bf16.
+        """
+        _check_f32(x, *(() if bias is None else (bias,)))
+        if weight.dtype not in self._gemv or not weight.is_contiguous() or weight.dim() != 2:
+            raise ValueError("gemv needs a contiguous fp32 or bf16 [N, K] weight")
+        if not 1 <= x.shape[0] <= GEMV_MAX_ROWS or weight.shape[1] != x.shape[1]:
+            raise ValueError(f"gemv needs 1..{GEMV_MAX_ROWS} rows of x [M, K] matching weight [N, K]")
+        out = x.new_empty(x.shape[0], weight.shape[0])
+        self._gemv[weight.dtype](x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                   out.data_ptr(), x.shape[0], weight.shape[0], weight.shape[1])
+        return out
 
     def int8_linear(self, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                     bias: torch.Tensor | None) -> torch.Tensor:

@@ -89,12 +89,15 @@ class LlamaModel(nn.Module):
         return self.norm.weight.dtype
 
     def use_onednn(self, weight_dtype: torch.dtype = torch.float32) -> None:
-        """CPU: every projection and the LM head through oneDNN with packed ``weight_dtype``
-        (fp32 or bf16) weights (see onednn.py); the dense weights are freed. A tied head is
-        a packed copy beside the embedding table the lookup reads."""
-        onednn.pack_linears(self, weight_dtype)
+        """CPU: every projection and the LM head as a ``CpuLinear`` (oneDNN, or the native
+        GEMV for decode-sized inputs; see onednn.py) with ``weight_dtype`` (fp32 or bf16)
+        weights, each stored once. The embedding table takes ``weight_dtype`` too (rows
+        are widened on lookup) and a tied head shares it."""
+        onednn.replace_linears(self, weight_dtype)
+        table = self.embed_tokens.weight
+        table.data = table.data.to(weight_dtype)
         if self.lm_head is None:
-            self.lm_head = onednn.PackedLinear(self.embed_tokens.weight, None, weight_dtype)
+            self.lm_head = onednn.CpuLinear(table, None, weight_dtype)
 
     def use_int8(self) -> int:
         """Weight-only int8 (per output channel) projections and LM head; returns how many."""
@@ -105,15 +108,17 @@ class LlamaModel(nn.Module):
         return n
 
     def weight_bytes(self, include_embedding: bool = True) -> int:
-        """Bytes of the weights as stored (packed, quantized or dense). Without the
-        embedding table: what one decode step reads (the lookup reads one row of it)."""
-        total = sum(p.numel() * p.element_size() for p in self.parameters())
-        total += sum(m.weight_bytes() for m in self.modules()
-                     if m is not self and hasattr(m, "weight_bytes"))
-        if not include_embedding:
-            table = self.embed_tokens.weight
-            total -= table.numel() * table.element_size()
-        return total
+        """Bytes of the weights as stored (dense or quantized; a tensor two layers share
+        counts once). Without the embedding table: what one decode step reads (the lookup
+        reads one row of it; a tied head reads all of it)."""
+        tensors = list(self.parameters())
+        tensors += [t for m in self.modules() if hasattr(m, "weight_tensors") for t in m.weight_tensors()]
+        table = self.embed_tokens.weight
+        head = getattr(self.lm_head, "weight", None)
+        skip = set() if include_embedding or (head is not None and head.data_ptr() == table.data_ptr()) \
+            else {table.data_ptr()}
+        stored = {t.data_ptr(): t.numel() * t.element_size() for t in tensors}
+        return sum(n for ptr, n in stored.items() if ptr not in skip)
 
     def use_cpu_kernels(self) -> bool:
         """CPU with fp32 activations: attention and the elementwise steps through native

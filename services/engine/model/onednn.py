@@ -1,14 +1,18 @@
-"""oneDNN matmuls with prepacked weights for the CPU path.
+"""The CPU path's linear layers: oneDNN matmuls, and a native GEMV for decode-sized inputs.
 
-``torch.nn.functional.linear`` on CPU runs at ~130-210 GFLOP/s on the shapes
-of a serving step here; oneDNN with the weight reordered once at load time runs
-the same products at ~310-490 GFLOP/s (and reads a GEMV's weights ~2.5x
-faster). Results differ from MKL's only in float rounding.
+``torch.nn.functional.linear`` on CPU (MKL) runs the products of a serving step
+at ~120-190 GFLOP/s here; oneDNN's ``_linear_pointwise`` runs the same products
+at ~150-210 on the dense weight as it is (prepacking it into oneDNN's blocked
+layout measured no faster). With a few input rows (decode of one or a few
+sequences) a step is bound by reading the weights instead, and there oneDNN
+streams them at a third to two thirds of what the native GEMV
+(``cpu_kernels.gemv``, ``csrc/gemv.c``) reaches, so those rows go to the GEMV.
 
-Each ``nn.Linear`` is replaced by a ``PackedLinear`` holding only the packed
-weight: the dense one is freed, so weights take their size once, not twice.
-Activations stay fp32; with bf16 weights (CPUs with AVX-512 BF16 or AMX) the
-input is rounded to bf16 for the product and the output is fp32 again.
+Each ``nn.Linear`` is replaced by a ``CpuLinear`` holding its weight once, dense,
+in fp32 or bf16 (CPUs with AVX-512 BF16 or AMX). Activations stay fp32; with
+bf16 weights oneDNN rounds the input to bf16 for the product (the GEMV widens
+the weight instead) and the output is fp32 again. A tied LM head shares the
+embedding table. Results differ from MKL's only in float rounding.
 """
 
 from __future__ import annotations
@@ -16,53 +20,56 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from services.engine.model import cpu_kernels
+
+# Input rows up to which the GEMV beats oneDNN, per weight dtype (bf16 widens each
+# weight element, so it turns compute-bound sooner).
+GEMV_MAX_ROWS = {torch.float32: cpu_kernels.GEMV_MAX_ROWS, torch.bfloat16: 2}
+
 
 def available(device: torch.device) -> bool:
     return (device.type == "cpu" and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
-def pack(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """A ``[out, in]`` weight reordered for oneDNN in ``dtype`` (fp32 or bf16)."""
-    return weight.detach().to(dtype).to_mkldnn()
-
-
-def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x [..., in] @ W.T + b`` with a packed ``W``; dense fp32 in, dense fp32 out."""
-    flat = x.reshape(-1, x.shape[-1])
-    if packed.dtype != torch.float32:
-        flat = flat.to(packed.dtype)
-    y = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), packed, bias, "none", [], "")
-    return y.float().reshape(*x.shape[:-1], y.shape[-1])
-
-
-class PackedLinear(nn.Module):
-    """An ``nn.Linear`` whose weight lives only in oneDNN's packed layout."""
+class CpuLinear(nn.Module):
+    """An ``nn.Linear`` on the CPU path: ``x [..., in] @ W.T + b``, fp32 in and out."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.packed = pack(weight, dtype)
-        # oneDNN adds the bias in the weight's dtype
-        self.bias = None if bias is None else bias.detach().to(dtype).clone()
+        # [out, in] in ``dtype``; no copy when ``weight`` already is one (a tied table)
+        self.weight = weight.detach().to(dtype).contiguous()
+        self.bias = None if bias is None else bias.detach().float().clone()
+        self.onednn_bias = None if bias is None else self.bias.to(dtype)  # oneDNN adds it in dtype
+        self.kernels = cpu_kernels.load()
+        self.gemv_rows = GEMV_MAX_ROWS.get(dtype, 0) if self.kernels is not None else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.packed, self.bias)
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.shape[0] <= self.gemv_rows:
+            y = self.kernels.gemv(flat.float().contiguous(), self.weight, self.bias)
+        else:
+            if self.weight.dtype != torch.float32:
+                flat = flat.to(self.weight.dtype)
+            y = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), self.weight, self.onednn_bias,
+                                                   "none", [], "").float()
+        return y.reshape(*x.shape[:-1], y.shape[-1])
 
-    def weight_bytes(self) -> int:
-        n = self.packed.numel() * self.packed.element_size()
-        return n + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """The tensors this layer stores (``LlamaModel.weight_bytes`` counts shared ones once)."""
+        return [t for t in (self.weight, self.bias, self.onednn_bias) if t is not None]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, " \
-               f"dtype={self.packed.dtype}"
+               f"dtype={self.weight.dtype}"
 
 
-def pack_linears(model: nn.Module, dtype: torch.dtype = torch.float32) -> int:
-    """Replace every ``nn.Linear`` of ``model`` by a ``PackedLinear``; returns how many."""
+def replace_linears(model: nn.Module, dtype: torch.dtype = torch.float32) -> int:
+    """Replace every ``nn.Linear`` of ``model`` by a ``CpuLinear``; returns how many."""
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children() if isinstance(child, nn.Linear)]
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child.weight, child.bias, dtype))
+        setattr(parent, name, CpuLinear(child.weight, child.bias, dtype))
     return len(targets)

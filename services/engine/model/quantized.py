@@ -49,9 +49,9 @@ class Int8Linear(nn.Module):
             y = F.linear(flat, self.dequantized(), self.bias)
         return y.reshape(*x.shape[:-1], self.out_features)
 
-    def weight_bytes(self) -> int:
-        n = self.qweight.numel() + 4 * self.scale.numel()
-        return n + (0 if self.bias is None else 4 * self.bias.numel())
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """The tensors this layer stores (``LlamaModel.weight_bytes`` counts them)."""
+        return [t for t in (self.qweight, self.scale, self.bias) if t is not None]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
