@@ -5,19 +5,34 @@ that a test can check the driver's arithmetic: every ``generate`` reports
 ``FAKE_VLLM_GENERATE_S`` seconds and every ``ttft`` ``FAKE_VLLM_TTFT_S``. It prints on
 stdout as engines do, which must not disturb the protocol. ``FAKE_VLLM_FAIL=load``
 makes loading fail; ``FAKE_VLLM_FAIL=generate:N`` makes the N-th ``generate`` (from 1)
-fail, as an engine dying mid-run would.
+fail, as an engine dying mid-run would. ``FAKE_VLLM_SPIN_S=S`` keeps a core busy for S
+seconds after each call, as vLLM's engine polls after a request.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
+import time
 from typing import Any
 
 from services.bench.side_protocol import serve
 
 GENERATE_S = float(os.environ.get("FAKE_VLLM_GENERATE_S", "0.5"))
 TTFT_S = float(os.environ.get("FAKE_VLLM_TTFT_S", "0.25"))
+SPIN_S = float(os.environ.get("FAKE_VLLM_SPIN_S", "0"))
+
+
+def _spin_after_reply() -> None:
+    def spin() -> None:
+        time.sleep(0.05)  # the reply is on its way first
+        end = time.monotonic() + SPIN_S
+        while time.monotonic() < end:
+            pass
+
+    if SPIN_S > 0:
+        threading.Thread(target=spin, daemon=True).start()
 
 
 class FakeBackend:
@@ -31,10 +46,12 @@ class FakeBackend:
         self.generated += 1
         if os.environ.get("FAKE_VLLM_FAIL") == f"generate:{self.generated}":
             raise RuntimeError("fake vllm engine died")
+        _spin_after_reply()
         return GENERATE_S, [[(p[-1] + i) % 50 for i in range(output_len)] for p in prompts]
 
     def ttft(self, prompt: list[int]) -> float:
         assert len(prompt) > 0
+        _spin_after_reply()
         return TTFT_S
 
 

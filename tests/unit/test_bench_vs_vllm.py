@@ -56,6 +56,22 @@ def test_interleaved_runs_against_a_stand_in(tmp_path, tiny_model_dir, capsys):
     assert "tandem / vllm (medians)" in printed and "TTFT  2047 tokens" in printed
 
 
+def test_each_call_waits_for_the_other_side_to_go_idle(tmp_path, tiny_model_dir, capsys):
+    """A side still polling a core after its call (as vLLM does for about a second) would
+    slow the next measurement of the other side: the driver waits for it to go idle."""
+    out = tmp_path / "r.json"
+    rc = main(["bench", "offline", "--model", str(tiny_model_dir),
+               "--vllm-python", str(_fake_python(tmp_path, "FAKE_VLLM_SPIN_S=0.6")),
+               "--threads", "1", "--runs", "1", "--num-prompts", "2", "--input-len", "8",
+               "--output-len", "2", "--ttft-lens", "16", "--dtype", "bfloat16", "--json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["settle_s"]["vllm"] >= 0.4  # it waited out the spinning
+    assert r["settle_s"]["tandem"] < 0.4
+    assert r["sides"]["vllm"]["request"]["dtype"] == "bfloat16"  # both sides at the same precision
+    assert "bfloat16" in capsys.readouterr().out
+
+
 def test_a_side_that_fails_to_load_is_a_clear_error(tmp_path, tiny_model_dir, capsys):
     rc = main(["bench", "offline", "--model", str(tiny_model_dir), "--threads", "1", "--runs", "1",
                "--vllm-python", str(_fake_python(tmp_path, "FAKE_VLLM_FAIL=load")),
