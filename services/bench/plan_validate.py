@@ -13,11 +13,15 @@ import argparse
 import dataclasses
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
 from services.bench import runinfo
 from services.bench import serve as serve_bench
+from services.cluster.telemetry import DEFAULT_INTERVAL_S
+
+TELEMETRY_WAIT_S = DEFAULT_INTERVAL_S + 0.5
 
 
 def error(predicted: float, measured: float) -> float | None:
@@ -51,14 +55,17 @@ def validate(args: argparse.Namespace, prof: dict[str, Any], mixes: list[Any], p
                               startup_timeout_s=args.startup_timeout)
         print(f"measuring {mix.label}: {' '.join(server.argv[3:])}", flush=True)
         try:
-            result, bg, frontend = _measure(server, wl, bench_args, mix.label, model)
+            result, bg, frontend, path = _measure(server, wl, bench_args, mix.label, model)
         except RuntimeError as e:  # e.g. it could not start (the log's tail is in the message)
             print(f"{mix.label} NOT measured: {e}", flush=True)
             rows.append({"mix": mix.label, "failed": str(e).splitlines()[0]})
             continue
         frontend = frontend if frontend is not None else hw.frontend_s_per_token
+        # the whole request path (gateway, client, Ray, the workers outside their engine
+        # steps) as the frontend's per-token CPU: all of it competes for the same cores
+        path = path if path is not None else frontend
         under_load = simulate(mix, args, rates, wl.slo, prof, dataclasses.replace(
-            hw, background_cores=bg, frontend_s_per_token=frontend))
+            hw, background_cores=bg, frontend_s_per_token=path))
         loaded.append(under_load)
         as_profiled = simulate(mix, argparse.Namespace(**{**vars(args), "keep_profile_load": True}), rates,
                                wl.slo, prof, dataclasses.replace(hw, background_cores=0.0))
@@ -70,7 +77,8 @@ def validate(args: argparse.Namespace, prof: dict[str, Any], mixes: list[Any], p
         q = as_profiled["goodput"]["interpolated_rps"]
         rows.append({"mix": mix.label, "quiet_predicted_rps": pred["goodput"]["interpolated_rps"],
                      "as_profiled_rps": q, "as_profiled_error": error(q, m),
-                     "background_threads": bg, "frontend_ms_per_token": 1e3 * frontend, "predicted_rps": p,
+                     "background_threads": bg, "frontend_ms_per_token": 1e3 * frontend,
+                     "request_path_ms_per_token": 1e3 * path, "predicted_rps": p,
                      "predicted_bounded": under_load["goodput"]["bounded"],
                      "measured_rps": m, "measured_bounded": result["goodput"]["bounded"], "error": error(p, m),
                      "load_avg_before": load_before, "load_avg_after": runinfo.machine()["load_avg_at_start"]})
@@ -84,23 +92,50 @@ def validate(args: argparse.Namespace, prof: dict[str, Any], mixes: list[Any], p
 
 
 def _measure(server: Any, wl: Any, bench_args: argparse.Namespace, label: str,
-             model: str) -> tuple[dict[str, Any], float, float | None]:
+             model: str) -> tuple[dict[str, Any], float, float | None, float | None]:
     """Sweep one started-here server: its results, the other processes' mean runnable threads
-    meanwhile, and the gateway's plus the client's CPU seconds per streamed token."""
-    from services.bench.cpu_load import BackgroundSampler, process_cpu_seconds
+    meanwhile, the gateway's plus the client's CPU seconds per streamed token, and the whole
+    request path's: the server's process tree (gateway, Ray, workers) plus the client, less
+    the engine threads' step CPU the workers count."""
+    from services.bench.cpu_load import BackgroundSampler, process_cpu_seconds, tree_cpu_seconds
 
     with server:
         gateway_pid = server.proc.pid
         sampler = BackgroundSampler(lambda: [os.getpid(), gateway_pid])
-        cpu0 = process_cpu_seconds(gateway_pid) or 0.0
+        cpu0, tree0, steps0 = process_cpu_seconds(gateway_pid) or 0.0, tree_cpu_seconds(gateway_pid), \
+            engine_step_cpu(server.url)
         with sampler:
             result = serve_bench.sweep(server.url, server.served_model_name, wl, bench_args, label,
                                        {**server.describe(), "model_path": model})
         gateway_cpu = (process_cpu_seconds(gateway_pid) or cpu0) - cpu0
+        tree_cpu = tree_cpu_seconds(gateway_pid) - tree0
+        time.sleep(TELEMETRY_WAIT_S)  # /metrics serves the workers' counters as last refreshed
+        steps1 = engine_step_cpu(server.url)
     bg = sampler.stop() or 0.0
     tokens = sum(run["summary"]["output_tokens"] for run in result["runs"])
     client_cpu = sum(run["client_cpu_s"] for run in result["runs"])
-    return result, bg, (gateway_cpu + client_cpu) / tokens if tokens else None
+    if not tokens:
+        return result, bg, None, None
+    path = None if steps0 is None or steps1 is None else \
+        max(0.0, tree_cpu + client_cpu - (steps1 - steps0)) / tokens
+    return result, bg, (gateway_cpu + client_cpu) / tokens, path
+
+
+def engine_step_cpu(url: str) -> float | None:
+    """The sum of every worker's ``tandem_engine_step_cpu_seconds_total`` on a server's
+    ``/metrics`` (None when it cannot be read)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    return sum(s.value for f in text_string_to_metric_families(text)
+               if f.name == "tandem_engine_step_cpu_seconds" for s in f.samples
+               if s.name.endswith("_total"))
 
 
 def print_validation(v: dict[str, Any]) -> None:
@@ -108,9 +143,11 @@ def print_validation(v: dict[str, Any]) -> None:
     print(runinfo.machine_line())
     print("goodput (req/s; + = every rate met the SLO) predicted: on a quiet machine; with the step times as "
           "profiled (the load then); under the background measured during the run (other processes' runnable "
-          "threads, bg) with the gateway's and client's CPU per token measured then (fe ms); and measured, with the "
-          "errors of the last two predictions")
-    print(f"{'mix':>13} {'quiet':>7} {'profiled':>8} {'error':>6} {'bg thr':>6} {'fe ms':>5} {'predicted':>10} "
+          "threads, bg) with the request path's CPU per token measured then (path ms: everything outside the "
+          "engine steps, of which the gateway and client: fe ms); and measured, with the errors of the last "
+          "two predictions")
+    print(f"{'mix':>13} {'quiet':>7} {'profiled':>8} {'error':>6} {'bg thr':>6} {'fe ms':>5} {'path ms':>7} "
+          f"{'predicted':>10} "
           f"{'measured':>10} "
           f"{'error':>7}   load avg (1 min) before/after")
     pct = lambda e: serve_bench.fmt_num(None if e is None else 100 * e, "+.0f") + "%"  # noqa: E731
@@ -121,6 +158,7 @@ def print_validation(v: dict[str, Any]) -> None:
         err = pct(r["error"])[:-1]
         print(f"{r['mix']:>13} {r['quiet_predicted_rps']:>7.2f} {r['as_profiled_rps']:>8.2f} "
               f"{pct(r['as_profiled_error']):>6} {r['background_threads']:>6.1f} {r['frontend_ms_per_token']:>5.2f} "
+              f"{r.get('request_path_ms_per_token', r['frontend_ms_per_token']):>7.2f} "
               f"{r['predicted_rps']:>9.2f}{'' if r['predicted_bounded'] else '+'} "
               f"{r['measured_rps']:>9.2f}{'' if r['measured_bounded'] else '+'} {err + '%':>7}   "
               f"{r['load_avg_before'][0]:.2f}/{r['load_avg_after'][0]:.2f}")

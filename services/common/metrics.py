@@ -73,6 +73,7 @@ class WorkerMetrics:
     spec_proposed_tokens: Counter
     spec_accepted_tokens: Counter
     spec_acceptance_length: Histogram
+    step_cpu: Counter
 
 
 def worker_metrics(role: str, worker: str,
@@ -119,6 +120,10 @@ def worker_metrics(role: str, worker: str,
             f"{PREFIX}spec_acceptance_length",
             "Draft tokens accepted per verified draft (the step commits one more)",
             WORKER_LABELS, buckets=ACCEPTANCE_BUCKETS, registry=r)),
+        step_cpu=bind(Counter(f"{PREFIX}engine_step_cpu_seconds",
+                              "CPU seconds the engine thread spent in steps (its OpenMP helpers not "
+                              "counted); the rest of a worker's CPU is the request path",
+                              WORKER_LABELS, registry=r)),
     )
     return m, r
 

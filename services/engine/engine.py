@@ -175,6 +175,15 @@ class LLMEngine:
         ``on_layer_done(i, completing)`` runs after layer ``i`` wrote its KV, with
         the sequences whose KV becomes complete in this step (layer-wise transfer).
         """
+        cpu0 = time.thread_time()
+        try:
+            return self._step(on_layer_done)
+        finally:
+            if self.metrics is not None:
+                self.metrics.step_cpu.inc(time.thread_time() - cpu0)
+
+    def _step(self, on_layer_done: Callable[[int, list[Sequence]], None] | None
+              ) -> list[EngineOutput]:
         spec = self.speculator
         drafts = spec.propose(self.scheduler.running, self.max_model_len) if spec else None
         sched: SchedulerOutput = self.scheduler.schedule(drafts)

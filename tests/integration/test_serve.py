@@ -168,6 +168,9 @@ def test_metrics_count_what_was_served(served):
     assert delta(r'tandem_kv_transfer_bytes_total\{role="prefill".*') == \
         delta(r'tandem_kv_transfer_bytes_total\{role="decode".*')
     assert delta(r'tandem_prefill_decisions_total\{decision="remote"\}') == 5
+    # the engine threads' step CPU: what the request path's share is measured against
+    assert delta(r'tandem_engine_step_cpu_seconds_total\{role="prefill".*') > 0
+    assert delta(r'tandem_engine_step_cpu_seconds_total\{role="decode".*') > 0
     assert _sum(after, r'tandem_workers_ready\{role="(prefill|decode)"\}') == 2
     for family in ("queue_time_seconds_count", "prefill_time_seconds_count",
                    "kv_transfer_seconds_count", "kv_cache_free_blocks", "num_requests_running"):

@@ -181,6 +181,43 @@ def test_validation_table_shows_errors_and_unmeasured_mixes(capsys):
     line = next(x for x in out.splitlines() if x.strip().startswith("1P+1D"))
     assert "+10%" in line and "+20%" in line and "5.00/6.00" in line
     assert "2P+1D not measured: did not become ready" in out
+    print_validation({"rows": [{**row, "request_path_ms_per_token": 3.75}], "recommended_under_load": None,
+                      "measured_best": None, "measured_ranking": []})
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("1P+1D"))
+    assert " 1.20    3.75 " in line  # the gateway and client's share, then the whole request path's
+
+
+def test_engine_step_cpu_sums_every_workers_counter():
+    """Read from a server's /metrics as the validation does before and after a sweep."""
+    import http.server
+    import threading
+
+    from services.bench.plan_validate import engine_step_cpu
+
+    text = ('# HELP tandem_engine_step_cpu_seconds_total x\n# TYPE tandem_engine_step_cpu_seconds_total counter\n'
+            'tandem_engine_step_cpu_seconds_total{role="prefill",worker="prefill-0"} 1.5\n'
+            'tandem_engine_step_cpu_seconds_total{role="decode",worker="decode-0"} 2.25\n'
+            'tandem_engine_step_cpu_seconds_created{role="decode",worker="decode-0"} 1.7e9\n'
+            '# TYPE tandem_preemptions_total counter\ntandem_preemptions_total{role="decode",worker="decode-0"} 9\n')
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            body = text.encode()
+            self.send_response(200 if self.path == "/metrics" else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert engine_step_cpu(f"http://127.0.0.1:{server.server_port}") == 3.75
+    finally:
+        server.shutdown()
+    assert engine_step_cpu("http://127.0.0.1:9") is None  # nothing listening: not a crash
 
 
 def test_a_gpu_profile_plans_one_gpu_per_worker_without_cpu_sharing(tmp_path, capsys):
@@ -192,3 +229,25 @@ def test_a_gpu_profile_plans_one_gpu_per_worker_without_cpu_sharing(tmp_path, ca
     plan = json.loads((tmp_path / "out" / "plan.json").read_text())
     assert plan["hardware"]["cores"] is None
     assert plan["recommended"] == "1P+1D"  # the cheaper mix: 2 GPUs
+
+
+def test_tree_cpu_counts_descendants_and_idle_wait_waits_for_them():
+    import subprocess
+    import sys
+    import time
+
+    from services.bench.cpu_load import tree_cpu_seconds, wait_until_idle
+
+    spin = "import time\nend = time.monotonic() + 0.6\nwhile time.monotonic() < end: pass\ntime.sleep(30)"
+    # the spinning process is a grandchild: a shell runs it
+    proc = subprocess.Popen(["/bin/sh", "-c", f"{sys.executable} -c '{spin}'; true"])
+    try:
+        waited = wait_until_idle(proc.pid, max_s=10)
+        assert waited >= 0.3  # it waited out the grandchild's spinning
+        assert tree_cpu_seconds(proc.pid) >= 0.3
+        t0 = time.monotonic()
+        assert wait_until_idle(proc.pid, max_s=10) < 1.0 and time.monotonic() - t0 < 1.0  # idle now
+    finally:
+        subprocess.run(["pkill", "-P", str(proc.pid)], check=False)  # the grandchild first
+        proc.kill()
+        proc.wait()
