@@ -51,18 +51,21 @@ def _children() -> dict[int, list[int]]:
     return kids
 
 
-def tree_cpu_seconds(root: int) -> float:
-    """User + system CPU seconds of ``root`` and all its live descendants."""
+def process_tree(roots: Iterable[int]) -> set[int]:
+    """The live processes ``roots`` and all their descendants."""
     kids = _children()
-    todo, seen, total = [root], set(), 0.0
+    todo, seen = list(roots), set()
     while todo:
         pid = todo.pop()
-        if pid in seen:
-            continue
-        seen.add(pid)
-        todo += kids.get(pid, [])
-        total += process_cpu_seconds(pid) or 0.0
-    return total
+        if pid not in seen:
+            seen.add(pid)
+            todo += kids.get(pid, [])
+    return seen
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """User + system CPU seconds of ``root`` and all its live descendants."""
+    return sum(process_cpu_seconds(pid) or 0.0 for pid in process_tree([root]))
 
 
 def wait_until_idle(root: int, max_s: float = 15.0, window_s: float = 0.1,
@@ -83,14 +86,8 @@ def wait_until_idle(root: int, max_s: float = 15.0, window_s: float = 0.1,
 
 def own_runnable_threads(roots: Iterable[int]) -> int:
     """Runnable threads (state R) of the processes ``roots`` and all their descendants."""
-    kids = _children()
-    todo, seen, count = list(roots), set(), 0
-    while todo:
-        pid = todo.pop()
-        if pid in seen:
-            continue
-        seen.add(pid)
-        todo += kids.get(pid, [])
+    count = 0
+    for pid in process_tree(roots):
         try:
             tasks = list(Path(f"/proc/{pid}/task").iterdir())
         except OSError:
