@@ -222,7 +222,8 @@ class EngineConfig:
     onednn: bool = field(default=True, metadata={
         "help": "CPU fp32: oneDNN matmuls (faster; rounding differs from MKL's)"})
     cpu_kernels: bool = field(default=True, metadata={
-        "help": "CPU fp32: native decode attention and fused kernels (compiled on first use)"})
+        "help": "CPU: native decode attention, fused kernels and the decode-row GEMV "
+                "(compiled on first use)"})
     attention_backend: str = field(default="auto", metadata={
         "choices": ATTENTION_BACKENDS,
         "help": "paged attention: triton (CUDA kernels reading the blocks in place), torch "

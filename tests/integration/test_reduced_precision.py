@@ -122,3 +122,14 @@ def test_int8_rejects_what_it_cannot_run(checkpoint):
         _llm(checkpoint, quantization="int4")
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         _llm(checkpoint, quantization="int8", dtype="float16")
+
+
+def test_decode_rows_use_the_gemv_unless_native_kernels_are_off(checkpoint):
+    if cpu_kernels.load() is None:
+        pytest.skip("no C compiler on this machine")
+    on = _llm(checkpoint, dtype="float32").engine.runner.model
+    off = _llm(checkpoint, dtype="float32", cpu_kernels=False).engine.runner.model
+    assert all(m.gemv_rows == 4 for m in on.modules() if isinstance(m, CpuLinear))
+    assert all(m.gemv_rows == 0 for m in off.modules() if isinstance(m, CpuLinear))
+    x = torch.randn(3, on.config.hidden_size)  # the same product either way, to float rounding
+    torch.testing.assert_close(on.lm_head(x), off.lm_head(x), atol=1e-4, rtol=1e-4)

@@ -88,16 +88,17 @@ class LlamaModel(nn.Module):
         """The residual stream's dtype (the norms'; fp32 on CPU whatever the weights')."""
         return self.norm.weight.dtype
 
-    def use_onednn(self, weight_dtype: torch.dtype = torch.float32) -> None:
+    def use_onednn(self, weight_dtype: torch.dtype = torch.float32, gemv: bool = True) -> None:
         """CPU: every projection and the LM head as a ``CpuLinear`` (oneDNN, or the native
         GEMV for decode-sized inputs; see onednn.py) with ``weight_dtype`` (fp32 or bf16)
         weights, each stored once. The embedding table takes ``weight_dtype`` too (rows
-        are widened on lookup) and a tied head shares it."""
-        onednn.replace_linears(self, weight_dtype)
+        are widened on lookup) and a tied head shares it. ``gemv=False``: oneDNN for every
+        input (no native kernel)."""
+        onednn.replace_linears(self, weight_dtype, gemv)
         table = self.embed_tokens.weight
         table.data = table.data.to(weight_dtype)
         if self.lm_head is None:
-            self.lm_head = onednn.CpuLinear(table, None, weight_dtype)
+            self.lm_head = onednn.CpuLinear(table, None, weight_dtype, gemv)
 
     def use_int8(self) -> int:
         """Weight-only int8 (per output channel) projections and LM head; returns how many."""

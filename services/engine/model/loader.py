@@ -106,7 +106,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
     if quantization == "int8":
         model.use_int8()
     elif mixed and use_onednn and onednn.available(device):
-        model.use_onednn(dtype)
+        model.use_onednn(dtype, gemv=use_cpu_kernels)
     if mixed and dtype != torch.float32:  # the lookup table too (rows widened on lookup)
         model.embed_tokens.weight.data = model.embed_tokens.weight.data.to(dtype)
     if use_cpu_kernels:

@@ -36,14 +36,14 @@ class CpuLinear(nn.Module):
     """An ``nn.Linear`` on the CPU path: ``x [..., in] @ W.T + b``, fp32 in and out."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, gemv: bool = True) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         # [out, in] in ``dtype``; no copy when ``weight`` already is one (a tied table)
         self.weight = weight.detach().to(dtype).contiguous()
         self.bias = None if bias is None else bias.detach().float().clone()
         self.onednn_bias = None if bias is None else self.bias.to(dtype)  # oneDNN adds it in dtype
-        self.kernels = cpu_kernels.load()
+        self.kernels = cpu_kernels.load() if gemv else None  # None: oneDNN for every input
         self.gemv_rows = GEMV_MAX_ROWS.get(dtype, 0) if self.kernels is not None else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -66,10 +66,11 @@ class CpuLinear(nn.Module):
                f"dtype={self.weight.dtype}"
 
 
-def replace_linears(model: nn.Module, dtype: torch.dtype = torch.float32) -> int:
-    """Replace every ``nn.Linear`` of ``model`` by a ``CpuLinear``; returns how many."""
+def replace_linears(model: nn.Module, dtype: torch.dtype = torch.float32, gemv: bool = True) -> int:
+    """Replace every ``nn.Linear`` of ``model`` by a ``CpuLinear`` (``gemv``: decode-sized
+    inputs on the native GEMV); returns how many."""
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children() if isinstance(child, nn.Linear)]
     for parent, name, child in targets:
-        setattr(parent, name, CpuLinear(child.weight, child.bias, dtype))
+        setattr(parent, name, CpuLinear(child.weight, child.bias, dtype, gemv))
     return len(targets)
