@@ -16,10 +16,13 @@ What it models, and from where:
   generator) wants one core while it has per-token work, a background wants
   ``background_cores``; the cores are shared by weight (Linux CFS: nice ``n`` weighs
   ``1.25**-n``), no thread faster than one core (processor sharing, re-divided at each
-  event).
+  event). The frontend's per-token work stands for the whole request path outside the
+  engine steps (gateway, load generator, Ray's calls and streams, KV send/receive threads),
+  one cost per streamed token.
 
 Not modelled: preemption (KV blocks are assumed to suffice), prefix-cache hits, the
-network between gateway and workers, Python and Ray latencies beyond the frontend's CPU.
+network between gateway and workers, the request path's per-request and per-prompt-token
+costs (folded into the per-token one), Python and Ray latencies beyond that CPU.
 """
 
 from __future__ import annotations
