@@ -151,9 +151,11 @@ class ModelRunner:
                       on_layer_done: Callable[[int], None] | None) -> torch.Tensor | None:
         """The torch backend's step: padded attention groups; logits ``[R, V]`` or None."""
         dev = self.device
+        decodes, speculating, chunks = groups
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            groups=[g for g in map(self._group, groups) if g is not None])
+            groups=[g for g in map(self._group, [decodes, speculating, *_same_shape(chunks)])
+                    if g is not None])
         hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
                             torch.tensor(positions, dtype=torch.long, device=dev),
                             self.kv_cache.kv, meta, on_layer_done)
@@ -243,3 +245,14 @@ class ModelRunner:
             block_table=table.to(dev),
             last_pos=(starts + lens - 1).to(dev),
             mask=mask)
+
+
+def _same_shape(chunks: list[Entry]) -> list[list[Entry]]:
+    """Prefill chunks split into groups of one length and start: a padded group would
+    compute a short prompt's attention at its longest member's length (a 32-token prompt
+    beside a 1,024-token one: 32x its work), and whole prompts of one length batch
+    causally without a mask."""
+    by_shape: dict[tuple[int, int], list[Entry]] = {}
+    for e in chunks:
+        by_shape.setdefault((e[1], e[2]), []).append(e)  # (cursor, new tokens)
+    return list(by_shape.values())
