@@ -133,3 +133,16 @@ def test_decode_rows_use_the_gemv_unless_native_kernels_are_off(checkpoint):
     assert all(m.gemv_rows == 0 for m in off.modules() if isinstance(m, CpuLinear))
     x = torch.randn(3, on.config.hidden_size)  # the same product either way, to float rounding
     torch.testing.assert_close(on.lm_head(x), off.lm_head(x), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2 ** -7)])
+def test_a_row_computes_alike_alone_and_in_a_batch(dtype, tol):
+    """Decode rows take the GEMV, larger batches oneDNN: the same row must come out the same
+    (to the dtype's rounding), or a token would depend on how many others shared its step."""
+    if dtype == torch.bfloat16 and not cpu_features.has_native_bf16():
+        pytest.skip("no AVX-512 BF16 / AMX")
+    gen = torch.Generator().manual_seed(0)
+    layer = CpuLinear(torch.randn(300, 64, generator=gen), torch.randn(300, generator=gen), dtype)
+    x = torch.randn(8, 64, generator=gen)
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(8)])
+    torch.testing.assert_close(alone, layer(x), rtol=tol, atol=tol)

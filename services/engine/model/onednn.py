@@ -10,8 +10,9 @@ streams them at a third to two thirds of what the native GEMV
 
 Each ``nn.Linear`` is replaced by a ``CpuLinear`` holding its weight once, dense,
 in fp32 or bf16 (CPUs with AVX-512 BF16 or AMX). Activations stay fp32; with
-bf16 weights oneDNN rounds the input to bf16 for the product (the GEMV widens
-the weight instead) and the output is fp32 again. A tied LM head shares the
+bf16 weights the input is rounded to bf16 for the product (oneDNN's, or the
+GEMV's, which widens both to fp32) and the output to bf16, as oneDNN returns it,
+before it is fp32 again: a row's result does not depend on which path ran it. A tied LM head shares the
 embedding table. Results differ from MKL's only in float rounding.
 """
 
@@ -43,13 +44,19 @@ class CpuLinear(nn.Module):
         self.weight = weight.detach().to(dtype).contiguous()
         self.bias = None if bias is None else bias.detach().float().clone()
         self.onednn_bias = None if bias is None else self.bias.to(dtype)  # oneDNN adds it in dtype
+        self.gemv_bias = None if bias is None else self.onednn_bias.float()  # the same values
         self.kernels = cpu_kernels.load() if gemv else None  # None: oneDNN for every input
         self.gemv_rows = GEMV_MAX_ROWS.get(dtype, 0) if self.kernels is not None else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         if flat.shape[0] <= self.gemv_rows:
-            y = self.kernels.gemv(flat.float().contiguous(), self.weight, self.bias)
+            if self.weight.dtype == torch.float32:
+                y = self.kernels.gemv(flat.float().contiguous(), self.weight, self.bias)
+            else:  # round input, bias and output as oneDNN does: a token's logits must not
+                # depend on how many rows its step had
+                rounded = flat.to(self.weight.dtype).float().contiguous()
+                y = self.kernels.gemv(rounded, self.weight, self.gemv_bias).to(self.weight.dtype).float()
         else:
             if self.weight.dtype != torch.float32:
                 flat = flat.to(self.weight.dtype)
@@ -59,7 +66,7 @@ class CpuLinear(nn.Module):
 
     def weight_tensors(self) -> list[torch.Tensor]:
         """The tensors this layer stores (``LlamaModel.weight_bytes`` counts shared ones once)."""
-        return [t for t in (self.weight, self.bias, self.onednn_bias) if t is not None]
+        return [t for t in (self.weight, self.bias, self.onednn_bias, self.gemv_bias) if t is not None]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, " \
