@@ -92,9 +92,21 @@ class ChannelBase:
             raise ValueError(f"rank {peer} is not a peer of rank {self.rank} "
                              f"(peers {list(self.peers)})") from None
 
-    def wait(self, event: Event, what: str, idle: bool = False) -> None:
+    def check_usable(self) -> None:
+        """Raise ``ChannelBrokenError`` once the channel is broken."""
         if self.broken is not None:
             raise ChannelBrokenError(f"transfer channel broken: {self.broken}")
+
+    def _check_bytes(self, tensor: torch.Tensor, op: str) -> None:
+        """A usable channel and a contiguous uint8 ``tensor`` on its device (device channels)."""
+        self.check_usable()
+        if tensor.device != self.device or tensor.dtype != torch.uint8 \
+                or not tensor.is_contiguous():
+            raise ValueError(f"{op} takes a contiguous uint8 tensor on {self.device}, "
+                             f"got {tensor.dtype} on {tensor.device}")
+
+    def wait(self, event: Event, what: str, idle: bool = False) -> None:
+        self.check_usable()
         try:
             wait_until_done(self.sync, event, None if idle else self.op_timeout_s,
                             self._why_broken, what)
@@ -165,8 +177,7 @@ class CollectiveChannel(ChannelBase):
     def _call(self, op: str, tensor: torch.Tensor, peer: int, idle: bool) -> None:
         import torch.distributed as dist
 
-        if self.broken is not None:
-            raise ChannelBrokenError(f"transfer channel broken: {self.broken}")
+        self.check_usable()
         try:
             work = (dist.isend if op == "send" else dist.irecv)(tensor, peer)
             work.wait(timeout=IDLE_WAIT if idle else datetime.timedelta(seconds=self.op_timeout_s))

@@ -81,7 +81,7 @@ class IpcChannel(ChannelBase):
 
     def send(self, data: torch.Tensor, dst_rank: int) -> None:
         stream = self.stream(dst_rank)
-        self._check(data, "send")
+        self._check_bytes(data, "send")
         with self._failing("send", dst_rank):
             ready = self.sync.record_event(stream, interprocess=True)
             with self.sync.use(stream):  # torch's reduction records its own event here too
@@ -93,7 +93,7 @@ class IpcChannel(ChannelBase):
 
     def recv(self, buf: torch.Tensor, src_rank: int, idle: bool = False) -> None:
         stream = self.stream(src_rank)
-        self._check(buf, "recv")
+        self._check_bytes(buf, "recv")
         with self._failing("recv", src_rank), self.sync.use(stream):
             kind, data, handle = self._receive(src_rank, idle)
             if kind != "kv" or data.numel() != buf.numel():
@@ -107,14 +107,6 @@ class IpcChannel(ChannelBase):
             # opened it (an event destroyed before its handle is opened cannot be waited for)
             self._last_read[src_rank] = read
             self._links[src_rank].send(("read", self.sync.export_event(read)))
-
-    def _check(self, tensor: torch.Tensor, op: str) -> None:
-        if self.broken is not None:
-            raise ChannelBrokenError(f"transfer channel broken: {self.broken}")
-        if tensor.device != self.device or tensor.dtype != torch.uint8 \
-                or not tensor.is_contiguous():
-            raise ValueError(f"{op} takes a contiguous uint8 tensor on {self.device}, "
-                             f"got {tensor.dtype} on {tensor.device}")
 
     def _receive(self, peer: int, idle: bool) -> tuple:
         """The next message from ``peer``; bounded by the deadline unless ``idle``."""

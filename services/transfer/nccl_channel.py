@@ -121,12 +121,7 @@ class NcclChannel(ChannelBase):
         self._call("recv", buf, src_rank, idle)
 
     def _call(self, op: str, tensor: torch.Tensor, peer: int, idle: bool) -> None:
-        if self.broken is not None:
-            raise ChannelBrokenError(f"transfer channel broken: {self.broken}")
-        if tensor.device != self.device or tensor.dtype != torch.uint8 \
-                or not tensor.is_contiguous():
-            raise ValueError(f"NCCL {op} takes a contiguous uint8 tensor on {self.device}, "
-                             f"got {tensor.dtype} on {tensor.device}")
+        self._check_bytes(tensor, f"NCCL {op}")
         stream, other = self.stream(peer), 1 - self._pair_rank(peer)
         comm = self._comms.get(peer)
         if comm is None:  # aborted meanwhile
