@@ -3,13 +3,16 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Sequence
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from services.common.sampling_params import SamplingParams
-from services.decode.worker import TransferFailedError
+from services.cluster.feed_reader import FeedReader
+from services.decode.feed import FeedClosedError, RequestFailedError, StreamError
+from services.decode.worker import STALL_TIMEOUT_S, TransferFailedError
 from services.engine.engine_loop import EngineLoopStopped
 from services.prefill.worker import PrefillTimeoutError
 from services.protocol.messages import KVTransferDescriptor
@@ -70,16 +73,21 @@ class RayWorker:
         if isinstance(e, _LOST):
             return WorkerLostError(self.worker_id, f"{self.role} worker {self.worker_id} lost: {e}")
         if isinstance(e, RayTaskError):
-            cause = e.as_instanceof_cause()
-            if isinstance(cause, (TransferFailedError, ChannelBrokenError)):
-                return TransferError(str(cause))
-            if isinstance(cause, EngineLoopStopped):
-                return WorkerLostError(self.worker_id, f"{self.role} worker {self.worker_id}: "
-                                       f"{cause}")
-            if isinstance(cause, PrefillTimeoutError):
-                return PrefillQueueTimeoutError(str(cause), RETRY_AFTER_S)
-            return cause
+            return self._translate_cause(e.as_instanceof_cause())
         return e
+
+    def _translate_cause(self, cause: BaseException) -> BaseException:
+        """A worker's own exception as the router's: re-drive, retry later, or fail."""
+        if isinstance(cause, (TransferFailedError, ChannelBrokenError)):
+            return TransferError(str(cause))
+        if isinstance(cause, EngineLoopStopped):
+            return WorkerLostError(self.worker_id, f"{self.role} worker {self.worker_id}: "
+                                   f"{cause}")
+        if isinstance(cause, FeedClosedError):
+            return WorkerLostError(self.worker_id, str(cause), transient=True)
+        if isinstance(cause, PrefillTimeoutError):
+            return PrefillQueueTimeoutError(str(cause), RETRY_AFTER_S)
+        return cause
 
 
 class RayPrefill(RayWorker):
@@ -101,6 +109,7 @@ class RayDecode(RayWorker):
     def __init__(self, actor, worker_id: str, role: str, rank: int | None = None) -> None:
         super().__init__(actor, worker_id, role, rank)
         self.active: set[str] = set()
+        self._reader: FeedReader | None = None
 
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int],
                       params: SamplingParams, src_rank: int, transfer_id: str,
@@ -115,20 +124,45 @@ class RayDecode(RayWorker):
             raise self._translate(e) from e
 
     async def decode(self, req: DecodeRequest) -> AsyncIterator[TokenDelta]:
-        self.active.add(req.request_id)
-        gen = _quiet(self.actor.decode, num_returns="streaming").remote(req)
+        """The request's deltas, read from this gateway's feed of the worker."""
+        rid = req.request_id
+        self.active.add(rid)
+        feed = self._feed()
+        queue = feed.register(rid)
         finished = False
         try:
-            async for ref in gen:
-                delta = await ref
-                finished = delta.finished
-                yield delta
-        except Exception as e:
-            raise self._translate(e) from e
+            try:
+                last = await _quiet(self.actor.start).remote(req, feed.subscriber)
+            except Exception as e:
+                raise self._translate(e) from e
+            if last is not None:
+                finished = True
+                yield last
+                return
+            while not finished:
+                try:
+                    item = await asyncio.wait_for(queue.get(), STALL_TIMEOUT_S)
+                except asyncio.TimeoutError:
+                    raise RequestFailedError(f"{rid}: no progress on {self.worker_id} for "
+                                             f"{STALL_TIMEOUT_S:g}s") from None
+                if isinstance(item, BaseException):
+                    raise item
+                if isinstance(item, StreamError):
+                    raise self._translate_cause(item.error)
+                finished = item.finished
+                yield item
         finally:
-            ray.cancel(gen)  # no-op once it has finished
+            feed.unregister(rid)
             if finished:  # otherwise the driver aborts it
-                self.active.discard(req.request_id)
+                self.active.discard(rid)
+
+    def _feed(self) -> FeedReader:
+        """This gateway's open feed of the worker on the running event loop."""
+        if self._reader is None or not self._reader.usable:
+            if self._reader is not None:
+                self._reader.close()
+            self._reader = FeedReader(self.actor, self.worker_id, self._translate)
+        return self._reader
 
     async def cancel(self, request_id: str) -> None:
         try:
@@ -151,6 +185,4 @@ def _quiet(method, **options):
 
 
 async def _within(ref, timeout_s: float):
-    import asyncio
-
     return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout_s)

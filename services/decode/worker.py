@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 from collections.abc import AsyncIterator, Mapping, Sequence
 
 import torch
@@ -23,10 +24,11 @@ import torch
 from services.common.config import EngineConfig
 from services.common.sampling_params import SamplingParams
 from services.engine.engine import EngineOutput
-from services.engine.engine_loop import EngineLoopStopped
 from services.protocol.messages import (KVTransferDescriptor,
                                         TransferStatus, layer_groups)
-from services.protocol.request_path import DecodeRequest, TokenDelta, TokenLogprob
+from services.decode.feed import (FeedClosedError, FeedItem, RequestFailedError, StreamError,
+                                  TokenFeed, delta_of)
+from services.protocol.request_path import DecodeRequest, TokenDelta
 from services.transfer.endpoint import make_receiver, open_channel
 from services.transfer.receiver import KVReceiver
 from services.worker.engine_worker import EngineWorker
@@ -38,10 +40,6 @@ STALL_TIMEOUT_S = 300.0  # a stream with no new token for this long is failed (w
 
 class TransferFailedError(RuntimeError):
     """The KV of a request did not arrive (dead prefill worker, timeout, checksum)."""
-
-
-class RequestFailedError(RuntimeError):
-    """The engine step running the request raised; the request ended, the worker serves on."""
 
 
 class DecodeWorker(EngineWorker):
@@ -69,6 +67,9 @@ class DecodeWorker(EngineWorker):
         self._transfers: dict[str, tuple[str, KVReceiver]] = {}  # request -> (transfer, receiver)
         self._reserving: dict[str, asyncio.Task] = {}  # request -> its reserve in progress
         self._ending: dict[str, asyncio.Task] = {}  # request -> its release in progress
+        self._feeds: dict[str, TokenFeed] = {}  # subscriber -> its feed
+        self._closed_feeds: set[str] = set()  # subscribers gone (a late start is refused)
+        self._stream_feed: dict[str, TokenFeed] = {}  # request -> the feed its deltas go to
         self.kv_bytes_received = 0
         self._retune_threads()
 
@@ -173,54 +174,106 @@ class DecodeWorker(EngineWorker):
         """Stop a request wherever it is; a stream waiting on it ends with ``abort``."""
         await asyncio.shield(self._end(request_id))
 
-    async def decode(self, req: DecodeRequest) -> AsyncIterator[TokenDelta]:
-        """Stream the tokens after ``req.output_token_ids`` (a Ray streaming generator).
+    # -- token feeds: every request of a subscriber streamed through one call -----
+    async def feed(self, subscriber: str) -> AsyncIterator[list[FeedItem]]:
+        """Stream the deltas of ``subscriber``'s requests (a Ray streaming generator), one
+        item per batch of engine steps: a list with a :class:`TokenDelta` (or a
+        :class:`StreamError`) per request that moved. Ends the requests still on it when
+        the subscriber leaves."""
+        feed = self._feed(subscriber)
+        try:
+            while True:
+                yield await feed.next_batch()
+        finally:
+            self._closed_feeds.add(subscriber)
+            await self._drop_feed(subscriber)
+
+    async def start(self, req: DecodeRequest, subscriber: str) -> TokenDelta | None:
+        """Start decoding the tokens after ``req.output_token_ids``; their deltas go to
+        ``subscriber``'s feed. Returns the finishing delta when the request ends before
+        any decode step (token #1 finished it), else ``None``.
 
         With a descriptor, waits for the KV (bounded) and resumes at token 2;
         without, prefills prompt + tokens so far locally.
         """
         rid = req.request_id
-        done = False
-        aio = asyncio.get_running_loop()
-        queue: asyncio.Queue[EngineOutput | BaseException] = asyncio.Queue()
-        self.loop.open_stream(rid, lambda out: aio.call_soon_threadsafe(queue.put_nowait, out),
-                              lambda exc: aio.call_soon_threadsafe(queue.put_nowait, exc))
+        feed = self._feed(subscriber)
+        await self._settled(rid)
+        sinks = feed.add(rid, 1 if req.descriptor is not None else len(req.output_token_ids))
+        self._stream_feed[rid] = feed
+        self.loop.open_stream(rid, *sinks)
         try:
             if req.descriptor is not None:
                 ready = await self._await_transfer(req)
                 first = await self._run(lambda e: self._commit(e, rid, req.output_token_ids[0],
                                                                ready))
-                start = 1
                 if first.finished:
-                    done = True
-                    yield self._delta(rid, [first], start, include_tokens=False)
-                    return
-            else:
-                await self._settled(rid)
-                start = len(req.output_token_ids)  # a re-drive continues the same output
-                await self._run(lambda e: e.add_request(rid, req.prompt_token_ids, req.sampling_params,
+                    self._close_stream(rid)
+                    return delta_of(rid, [first], 1, include_tokens=False)
+            else:  # a re-drive continues the same output
+                await self._run(lambda e: e.add_request(rid, req.prompt_token_ids,
+                                                        req.sampling_params,
                                                         output_token_ids=req.output_token_ids))
-            index = start
+            return None
+        except BaseException:
+            self._close_stream(rid)
+            await asyncio.shield(self._end(rid))
+            raise
+
+    def _feed(self, subscriber: str) -> TokenFeed:
+        if subscriber in self._closed_feeds:
+            raise FeedClosedError(f"the feed of {subscriber!r} on {self.worker_id} has closed")
+        feed = self._feeds.get(subscriber)
+        if feed is None:  # made by whichever of ``feed`` and ``start`` comes first
+            feed = TokenFeed(asyncio.get_running_loop(), self.worker_id, self._stream_ended)
+            self._feeds[subscriber] = feed
+        return feed
+
+    def _close_stream(self, request_id: str, drop_pending: bool = True) -> None:
+        """No more outputs of ``request_id`` to its feed; ``drop_pending=False`` lets the
+        finishing output already queued there out (the feed forgets it after that)."""
+        self.loop.close_stream(request_id)
+        feed = self._stream_feed.pop(request_id, None)
+        if feed is not None and drop_pending:
+            feed.remove(request_id)
+
+    def _stream_ended(self, request_id: str) -> None:
+        """The feed sent the request's last delta (or its error)."""
+        self.loop.close_stream(request_id)
+        self._stream_feed.pop(request_id, None)
+
+    async def _drop_feed(self, subscriber: str) -> None:
+        """Forget a feed and end the requests still on it."""
+        feed = self._feeds.pop(subscriber, None)
+        for rid in feed.request_ids if feed is not None else ():
+            await asyncio.shield(self._end(rid))
+
+    async def decode(self, req: DecodeRequest) -> AsyncIterator[TokenDelta]:
+        """One request's deltas on a feed of its own (:meth:`start` plus the feed read
+        here), for callers that hold a single stream."""
+        rid = req.request_id
+        subscriber = f"{rid}/{secrets.token_hex(4)}"
+        feed = self._feed(subscriber)
+        done = False
+        try:
+            last = await self.start(req, subscriber)
+            if last is not None:
+                done = True
+                yield last
+                return
             while not done:
                 try:
-                    outs = [await asyncio.wait_for(queue.get(), STALL_TIMEOUT_S)]
+                    items = await asyncio.wait_for(feed.next_batch(), STALL_TIMEOUT_S)
                 except asyncio.TimeoutError:
                     raise RequestFailedError(f"{rid}: no progress on {self.worker_id} for "
                                              f"{STALL_TIMEOUT_S:g}s") from None
-                while not queue.empty():
-                    outs.append(queue.get_nowait())
-                failed = next((o for o in outs if isinstance(o, BaseException)), None)
-                if isinstance(failed, EngineLoopStopped):
-                    raise failed  # the worker is going away: the request is re-driven
-                if failed is not None:
-                    raise RequestFailedError(f"{rid} failed on {self.worker_id}: "
-                                             f"{type(failed).__name__}: {failed}")
-                delta = self._delta(rid, outs, index)
-                index = delta.next_index
-                done = delta.finished
-                yield delta
+                for item in items:
+                    if isinstance(item, StreamError):
+                        raise item.error
+                    done = item.finished
+                    yield item
         finally:
-            self.loop.close_stream(rid)
+            await self._drop_feed(subscriber)
             if not done:
                 await asyncio.shield(self._end(rid))
 
@@ -282,9 +335,10 @@ class DecodeWorker(EngineWorker):
             out = await self._run(lambda e: e.abort(request_id))
         except Exception as e:  # the engine is gone: its blocks with it
             log.warning("could not free %s on %s: %s", request_id, self.worker_id, e)
-            return
+            out = None
         if out is not None:
-            self.loop.dispatch([out])
+            self.loop.dispatch([out])  # a stream still read ends with ``abort``
+        self._close_stream(request_id, drop_pending=out is None)
 
     async def _settled(self, request_id: str) -> None:
         """Wait for an earlier release of the same request id (a re-drive to this worker)."""
@@ -296,17 +350,6 @@ class DecodeWorker(EngineWorker):
     def _forget_task(tasks: dict[str, asyncio.Task], request_id: str, task: asyncio.Task) -> None:
         if tasks.get(request_id) is task:
             del tasks[request_id]
-
-    @staticmethod
-    def _delta(rid: str, outs: list[EngineOutput], index: int,
-               include_tokens: bool = True) -> TokenDelta:
-        tokens = [t for o in outs for t in o.new_token_ids] if include_tokens else []
-        last = outs[-1]
-        lps = [lp for o in outs for lp in o.new_logprobs]
-        return TokenDelta(
-            request_id=rid, token_ids=tuple(tokens), index=index, finished=last.finished,
-            finish_reason=last.finish_reason if last.finished else None,
-            logprobs=tuple(TokenLogprob.of(lp) for lp in lps) if lps and include_tokens else None)
 
     def shutdown(self) -> None:
         self.loop.stop()

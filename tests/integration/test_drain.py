@@ -22,7 +22,9 @@ from services.engine import LLM
 from tests.hf_models import VOCAB
 from tests.integration.test_cluster import _config, wait_all_free
 
-PARAMS = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+# long enough that streams still run when a drain requested through Ray (polled every
+# 0.5 s) reaches the gateway
+PARAMS = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 NUM_STREAMS = 6
 NUM_LATE = 3
 

@@ -1,11 +1,18 @@
 """Ray failures as the router sees them (services/cluster/handles.py): a transient
-``ActorUnavailableError`` is retried, not death; a prefill queue timeout is a 503."""
+``ActorUnavailableError`` is retried, not death; a prefill queue timeout is a 503; a
+decode worker's token feed carries every stream and its end fails each of them."""
 
 from __future__ import annotations
 
+import asyncio
+
+import pytest
 import ray.exceptions as rex
 
-from services.cluster.handles import RayWorker, is_transient
+from services.cluster.handles import RayDecode, RayWorker, is_transient
+from services.common.sampling_params import FinishReason, SamplingParams
+from services.decode.feed import RequestFailedError, StreamError
+from services.protocol.request_path import DecodeRequest, TokenDelta
 from services.decode.worker import TransferFailedError
 from services.engine.engine_loop import EngineLoopStopped
 from services.gateway.errors import from_backend_error
@@ -41,3 +48,90 @@ def test_a_prefill_queue_timeout_is_a_503_and_a_failed_transfer_is_re_driven():
     assert isinstance(broken, TransferError)  # re-driven once the group is rebuilt
     stopped = w._translate(_task_error(EngineLoopStopped("the engine loop stopped")))
     assert isinstance(stopped, WorkerLostError) and not stopped.transient
+
+
+class _FeedActor:
+    """A decode actor whose ``feed`` yields the batches put into ``batches`` (a batch that
+    is an exception ends the feed with it) and whose ``start`` returns at once."""
+
+    def __init__(self) -> None:
+        self.batches: asyncio.Queue = asyncio.Queue()
+        self.feed = _Method(self._feed)
+        self.start = _Method(self._start)
+        self.subscribers: list[str] = []
+
+    async def _feed(self, subscriber: str):
+        self.subscribers.append(subscriber)
+        while True:
+            batch = await self.batches.get()
+            if isinstance(batch, BaseException):
+                raise batch
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_result(batch)
+            yield fut
+
+    async def _start(self, req, subscriber: str):
+        return None
+
+
+class _Method:
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def options(self, **_):
+        return self
+
+    def remote(self, *args):
+        result = self.fn(*args)
+        return result if hasattr(result, "__aiter__") else asyncio.ensure_future(result)
+
+
+def _req(rid: str) -> DecodeRequest:
+    return DecodeRequest(rid, (1, 2, 3), SamplingParams(max_tokens=4), output_token_ids=(9,))
+
+
+def test_one_feed_carries_every_stream_and_its_end_re_drives_all_of_them():
+    async def main():
+        actor = _FeedActor()
+        w = RayDecode(actor, "decode-0", "decode")
+        streams = [w.decode(_req(rid)) for rid in ("a", "b")]
+        firsts = [asyncio.ensure_future(s.__anext__()) for s in streams]
+        await asyncio.sleep(0.01)
+        assert len(actor.subscribers) == 1  # one feed for both requests
+        actor.batches.put_nowait([TokenDelta("b", (5,), 1), TokenDelta("a", (6,), 1),
+                                  TokenDelta("gone", (1,), 1)])  # a request that left: dropped
+        assert [(await f).token_ids for f in firsts] == [(6,), (5,)]
+        actor.batches.put_nowait(rex.ActorDiedError())
+        for s in streams:
+            with pytest.raises(WorkerLostError) as e:
+                await s.__anext__()
+            assert not e.value.transient and e.value.worker_id == "decode-0"
+        # the next request opens a new feed
+        late = w.decode(_req("c"))
+        first = asyncio.ensure_future(late.__anext__())
+        await asyncio.sleep(0.01)
+        assert len(actor.subscribers) == 2
+        actor.batches.put_nowait([TokenDelta("c", (7,), 1, True, FinishReason.STOP)])
+        assert (await first).finished
+        await late.aclose()
+        assert w.active == {"a", "b"}  # ended without finishing: the driver aborts those
+    asyncio.run(main())
+
+
+def test_a_request_failure_on_the_feed_is_translated_like_a_call_error():
+    async def main():
+        actor = _FeedActor()
+        w = RayDecode(actor, "decode-0", "decode")
+        s = w.decode(_req("a"))
+        nxt = asyncio.ensure_future(s.__anext__())
+        await asyncio.sleep(0.01)
+        actor.batches.put_nowait([StreamError("a", EngineLoopStopped("stopped"))])
+        with pytest.raises(WorkerLostError):
+            await nxt
+        s = w.decode(_req("b"))
+        nxt = asyncio.ensure_future(s.__anext__())
+        await asyncio.sleep(0.01)
+        actor.batches.put_nowait([StreamError("b", RequestFailedError("b failed on decode-0"))])
+        with pytest.raises(RequestFailedError):
+            await nxt
+    asyncio.run(main())
