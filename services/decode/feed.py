@@ -142,3 +142,55 @@ class TokenFeed:
                                          f"{type(exc).__name__}: {exc}")
             items.append(StreamError(rid, exc))
         return items
+
+
+class Feeds:
+    """A worker's feeds by subscriber, and the feed each request streams to (the one
+    owner of both). ``close_engine_stream(request_id)`` stops the engine loop routing a
+    request's outputs (``EngineLoop.close_stream``)."""
+
+    def __init__(self, worker_id: str, close_engine_stream: Callable[[str], None]) -> None:
+        self.worker_id = worker_id
+        self._close_engine_stream = close_engine_stream
+        self._by_subscriber: dict[str, TokenFeed] = {}
+        self._closed: set[str] = set()  # subscribers gone: a late start is refused
+        self._by_request: dict[str, TokenFeed] = {}
+
+    def get(self, subscriber: str) -> TokenFeed:
+        """The subscriber's feed, made by whichever of the worker's ``feed`` and ``start``
+        comes first; ``FeedClosedError`` once the subscriber has gone."""
+        if subscriber in self._closed:
+            raise FeedClosedError(f"the feed of {subscriber!r} on {self.worker_id} has closed")
+        feed = self._by_subscriber.get(subscriber)
+        if feed is None:
+            feed = TokenFeed(asyncio.get_running_loop(), self.worker_id, self._ended)
+            self._by_subscriber[subscriber] = feed
+        return feed
+
+    def attach(self, request_id: str, subscriber: str, index: int):
+        """Route the request to the subscriber's feed from output ``index`` on; returns
+        ``(on_output, on_error)`` for ``EngineLoop.open_stream``."""
+        feed = self.get(subscriber)
+        self._by_request[request_id] = feed
+        return feed.add(request_id, index)
+
+    def detach(self, request_id: str, drop_pending: bool = True) -> None:
+        """No more outputs of the request to its feed; ``drop_pending=False`` lets the
+        finishing output already queued there out (the feed forgets it after that)."""
+        self._close_engine_stream(request_id)
+        feed = self._by_request.pop(request_id, None)
+        if feed is not None and drop_pending:
+            feed.remove(request_id)
+
+    def drop(self, subscriber: str, closed: bool = True) -> list[str]:
+        """Forget the subscriber's feed (refusing later starts on it when ``closed``);
+        returns the requests still on it, for the worker to end."""
+        if closed:
+            self._closed.add(subscriber)
+        feed = self._by_subscriber.pop(subscriber, None)
+        return feed.request_ids if feed is not None else []
+
+    def _ended(self, request_id: str) -> None:
+        """The feed sent the request's last delta (or its error)."""
+        self._close_engine_stream(request_id)
+        self._by_request.pop(request_id, None)

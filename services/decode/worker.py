@@ -26,8 +26,7 @@ from services.common.sampling_params import SamplingParams
 from services.engine.engine import EngineOutput
 from services.protocol.messages import (KVTransferDescriptor,
                                         TransferStatus, layer_groups)
-from services.decode.feed import (FeedClosedError, FeedItem, RequestFailedError, StreamError,
-                                  TokenFeed, delta_of)
+from services.decode.feed import FeedItem, Feeds, RequestFailedError, StreamError, delta_of
 from services.protocol.request_path import DecodeRequest, TokenDelta
 from services.transfer.endpoint import make_receiver, open_channel
 from services.transfer.receiver import KVReceiver
@@ -67,9 +66,7 @@ class DecodeWorker(EngineWorker):
         self._transfers: dict[str, tuple[str, KVReceiver]] = {}  # request -> (transfer, receiver)
         self._reserving: dict[str, asyncio.Task] = {}  # request -> its reserve in progress
         self._ending: dict[str, asyncio.Task] = {}  # request -> its release in progress
-        self._feeds: dict[str, TokenFeed] = {}  # subscriber -> its feed
-        self._closed_feeds: set[str] = set()  # subscribers gone (a late start is refused)
-        self._stream_feed: dict[str, TokenFeed] = {}  # request -> the feed its deltas go to
+        self.feeds = Feeds(worker_id, self.loop.close_stream)
         self.kv_bytes_received = 0
         self._retune_threads()
 
@@ -180,12 +177,11 @@ class DecodeWorker(EngineWorker):
         item per batch of engine steps: a list with a :class:`TokenDelta` (or a
         :class:`StreamError`) per request that moved. Ends the requests still on it when
         the subscriber leaves."""
-        feed = self._feed(subscriber)
+        feed = self.feeds.get(subscriber)
         try:
             while True:
                 yield await feed.next_batch()
         finally:
-            self._closed_feeds.add(subscriber)
             await self._drop_feed(subscriber)
 
     async def start(self, req: DecodeRequest, subscriber: str) -> TokenDelta | None:
@@ -197,18 +193,17 @@ class DecodeWorker(EngineWorker):
         without, prefills prompt + tokens so far locally.
         """
         rid = req.request_id
-        feed = self._feed(subscriber)
+        self.feeds.get(subscriber)  # refused at once if the subscriber has gone
         await self._settled(rid)
-        sinks = feed.add(rid, 1 if req.descriptor is not None else len(req.output_token_ids))
-        self._stream_feed[rid] = feed
-        self.loop.open_stream(rid, *sinks)
+        index = 1 if req.descriptor is not None else len(req.output_token_ids)
+        self.loop.open_stream(rid, *self.feeds.attach(rid, subscriber, index))
         try:
             if req.descriptor is not None:
                 ready = await self._await_transfer(req)
                 first = await self._run(lambda e: self._commit(e, rid, req.output_token_ids[0],
                                                                ready))
                 if first.finished:
-                    self._close_stream(rid)
+                    self.feeds.detach(rid)
                     return delta_of(rid, [first], 1, include_tokens=False)
             else:  # a re-drive continues the same output
                 await self._run(lambda e: e.add_request(rid, req.prompt_token_ids,
@@ -216,36 +211,13 @@ class DecodeWorker(EngineWorker):
                                                         output_token_ids=req.output_token_ids))
             return None
         except BaseException:
-            self._close_stream(rid)
+            self.feeds.detach(rid)
             await asyncio.shield(self._end(rid))
             raise
 
-    def _feed(self, subscriber: str) -> TokenFeed:
-        if subscriber in self._closed_feeds:
-            raise FeedClosedError(f"the feed of {subscriber!r} on {self.worker_id} has closed")
-        feed = self._feeds.get(subscriber)
-        if feed is None:  # made by whichever of ``feed`` and ``start`` comes first
-            feed = TokenFeed(asyncio.get_running_loop(), self.worker_id, self._stream_ended)
-            self._feeds[subscriber] = feed
-        return feed
-
-    def _close_stream(self, request_id: str, drop_pending: bool = True) -> None:
-        """No more outputs of ``request_id`` to its feed; ``drop_pending=False`` lets the
-        finishing output already queued there out (the feed forgets it after that)."""
-        self.loop.close_stream(request_id)
-        feed = self._stream_feed.pop(request_id, None)
-        if feed is not None and drop_pending:
-            feed.remove(request_id)
-
-    def _stream_ended(self, request_id: str) -> None:
-        """The feed sent the request's last delta (or its error)."""
-        self.loop.close_stream(request_id)
-        self._stream_feed.pop(request_id, None)
-
-    async def _drop_feed(self, subscriber: str) -> None:
+    async def _drop_feed(self, subscriber: str, closed: bool = True) -> None:
         """Forget a feed and end the requests still on it."""
-        feed = self._feeds.pop(subscriber, None)
-        for rid in feed.request_ids if feed is not None else ():
+        for rid in self.feeds.drop(subscriber, closed):
             await asyncio.shield(self._end(rid))
 
     async def decode(self, req: DecodeRequest) -> AsyncIterator[TokenDelta]:
@@ -253,7 +225,7 @@ class DecodeWorker(EngineWorker):
         here), for callers that hold a single stream."""
         rid = req.request_id
         subscriber = f"{rid}/{secrets.token_hex(4)}"
-        feed = self._feed(subscriber)
+        feed = self.feeds.get(subscriber)
         done = False
         try:
             last = await self.start(req, subscriber)
@@ -273,7 +245,7 @@ class DecodeWorker(EngineWorker):
                     done = item.finished
                     yield item
         finally:
-            await self._drop_feed(subscriber)
+            await self._drop_feed(subscriber, closed=False)  # its id is never used again
             if not done:
                 await asyncio.shield(self._end(rid))
 
@@ -338,7 +310,7 @@ class DecodeWorker(EngineWorker):
             out = None
         if out is not None:
             self.loop.dispatch([out])  # a stream still read ends with ``abort``
-        self._close_stream(request_id, drop_pending=out is None)
+        self.feeds.detach(request_id, drop_pending=out is None)
 
     async def _settled(self, request_id: str) -> None:
         """Wait for an earlier release of the same request id (a re-drive to this worker)."""
