@@ -105,11 +105,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="threads other processes keep runnable on the workers' cores")
     p.add_argument("--keep-profile-load", action="store_true", help="use the profiled step times as measured "
                    "(default: scaled back to a quiet machine from the load other processes put on it meanwhile)")
-    p.add_argument("--frontend-ms-per-token", type=float, default=4.0,
+    p.add_argument("--frontend-ms-per-token", type=float, default=2.5,
                    help="CPU the request path spends per streamed token outside the engine steps (ms): the "
-                   "gateway, the load generator, Ray's calls and streams, the KV send and receive threads; "
-                   "they share the workers' cores on one host. 4.0: measured by `--validate` on a 2-core "
-                   "x86 host (3.8-4.7); less when the gateway and clients run elsewhere")
+                   "gateway, the load generator, Ray's calls and token feeds, the KV send and receive "
+                   "threads; they share the workers' cores on one host. 2.5: measured by `--validate` on a "
+                   "2-core x86 host (2.5-3.2 on the interference preset); less when the gateway and clients "
+                   "run elsewhere")
     p.add_argument("--repeats", type=int, default=3, help="request sequences simulated per rate (seeds "
                    "SEED, SEED+1, ...; the first is the one `tandem bench serve` sends)")
     p.add_argument("--helm-values", default=None, metavar="FILE", help="write the recommended mix's replicas "
