@@ -11,8 +11,8 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from services.common.sampling_params import SamplingParams
 from services.cluster.feed_reader import FeedReader
-from services.decode.feed import FeedClosedError, RequestFailedError, StreamError
-from services.decode.worker import STALL_TIMEOUT_S, TransferFailedError
+from services.decode.feed import FeedClosedError, StreamError, within_stall
+from services.decode.worker import TransferFailedError
 from services.engine.engine_loop import EngineLoopStopped
 from services.prefill.worker import PrefillTimeoutError
 from services.protocol.messages import KVTransferDescriptor
@@ -140,11 +140,7 @@ class RayDecode(RayWorker):
                 yield last
                 return
             while not finished:
-                try:
-                    item = await asyncio.wait_for(queue.get(), STALL_TIMEOUT_S)
-                except asyncio.TimeoutError:
-                    raise RequestFailedError(f"{rid}: no progress on {self.worker_id} for "
-                                             f"{STALL_TIMEOUT_S:g}s") from None
+                item = await within_stall(queue.get(), rid, self.worker_id)
                 if isinstance(item, BaseException):
                     raise item
                 if isinstance(item, StreamError):

@@ -34,10 +34,21 @@ class StreamError:
 
 
 FeedItem = TokenDelta | StreamError
+STALL_TIMEOUT_S = 300.0  # a stream with no new token for this long is failed (wedged engine)
 
 
 class FeedClosedError(RuntimeError):
     """A request was started on a feed whose subscriber has gone."""
+
+
+async def within_stall(aw, request_id: str, worker_id: str):
+    """``await aw``; a request that waits longer than ``STALL_TIMEOUT_S`` for its next
+    output fails with ``RequestFailedError``."""
+    try:
+        return await asyncio.wait_for(aw, STALL_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise RequestFailedError(f"{request_id}: no progress on {worker_id} for "
+                                 f"{STALL_TIMEOUT_S:g}s") from None
 
 
 def delta_of(rid: str, outs: list[EngineOutput], index: int,

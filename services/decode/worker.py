@@ -26,7 +26,7 @@ from services.common.sampling_params import SamplingParams
 from services.engine.engine import EngineOutput
 from services.protocol.messages import (KVTransferDescriptor,
                                         TransferStatus, layer_groups)
-from services.decode.feed import FeedItem, Feeds, RequestFailedError, StreamError, delta_of
+from services.decode.feed import FeedItem, Feeds, StreamError, delta_of, within_stall
 from services.protocol.request_path import DecodeRequest, TokenDelta
 from services.transfer.endpoint import make_receiver, open_channel
 from services.transfer.receiver import KVReceiver
@@ -34,7 +34,6 @@ from services.worker.engine_worker import EngineWorker
 from services.worker.threads import ElasticThreads
 
 log = logging.getLogger(__name__)
-STALL_TIMEOUT_S = 300.0  # a stream with no new token for this long is failed (wedged engine)
 
 
 class TransferFailedError(RuntimeError):
@@ -234,12 +233,7 @@ class DecodeWorker(EngineWorker):
                 yield last
                 return
             while not done:
-                try:
-                    items = await asyncio.wait_for(feed.next_batch(), STALL_TIMEOUT_S)
-                except asyncio.TimeoutError:
-                    raise RequestFailedError(f"{rid}: no progress on {self.worker_id} for "
-                                             f"{STALL_TIMEOUT_S:g}s") from None
-                for item in items:
+                for item in await within_stall(feed.next_batch(), rid, self.worker_id):
                     if isinstance(item, StreamError):
                         raise item.error
                     done = item.finished

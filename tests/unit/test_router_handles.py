@@ -118,20 +118,28 @@ def test_one_feed_carries_every_stream_and_its_end_re_drives_all_of_them():
     asyncio.run(main())
 
 
-def test_a_request_failure_on_the_feed_is_translated_like_a_call_error():
+@pytest.mark.parametrize("error, raised", [(EngineLoopStopped("stopped"), WorkerLostError),
+                                           (RequestFailedError("a failed on decode-0"),
+                                            RequestFailedError)])
+def test_a_request_failure_on_the_feed_is_translated_like_a_call_error(error, raised):
     async def main():
         actor = _FeedActor()
-        w = RayDecode(actor, "decode-0", "decode")
-        s = w.decode(_req("a"))
+        s = RayDecode(actor, "decode-0", "decode").decode(_req("a"))
         nxt = asyncio.ensure_future(s.__anext__())
         await asyncio.sleep(0.01)
-        actor.batches.put_nowait([StreamError("a", EngineLoopStopped("stopped"))])
-        with pytest.raises(WorkerLostError):
+        actor.batches.put_nowait([StreamError("a", error)])
+        with pytest.raises(raised):
             await nxt
-        s = w.decode(_req("b"))
-        nxt = asyncio.ensure_future(s.__anext__())
-        await asyncio.sleep(0.01)
-        actor.batches.put_nowait([StreamError("b", RequestFailedError("b failed on decode-0"))])
-        with pytest.raises(RequestFailedError):
-            await nxt
+    asyncio.run(main())
+
+
+def test_a_stream_with_no_progress_fails_after_the_stall_timeout(monkeypatch):
+    import services.decode.feed as feed
+
+    monkeypatch.setattr(feed, "STALL_TIMEOUT_S", 0.05)
+
+    async def main():
+        s = RayDecode(_FeedActor(), "decode-0", "decode").decode(_req("a"))
+        with pytest.raises(RequestFailedError, match="no progress on decode-0"):
+            await s.__anext__()
     asyncio.run(main())
