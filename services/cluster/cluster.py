@@ -242,6 +242,7 @@ class Cluster:
             self._connect(timeout_s)
         if dead and self._control is not None:
             self.publish_placement()
+        self.refresh_loads_now()
         for w in dead:
             self.router.add_worker(w)  # same id: revives it in the router
         self.replacements += len(dead)
@@ -280,6 +281,15 @@ class Cluster:
     # -- health: loads refreshed and workers healed from start-up -------------------
     async def refresh_loads(self) -> None:
         await asyncio.gather(*(w.refresh() for w in self.prefill + self.decode))
+
+    def refresh_loads_now(self, timeout_s: float = 10.0) -> None:
+        """Fetch every worker's load before returning (from any thread): after the pools or
+        the transfer group changed, so that no request is placed on a snapshot taken
+        meanwhile (a worker that had left the group reads as not alive, a new one as empty)."""
+        thread = threading.Thread(target=lambda: asyncio.run(self.refresh_loads()),
+                                  name="tandem-refresh-now", daemon=True)
+        thread.start()
+        thread.join(timeout_s)
 
     @property
     def serving(self) -> bool:

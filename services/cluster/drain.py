@@ -131,4 +131,5 @@ def _rebuild_without(cluster: Cluster, worker) -> None:
         cluster._connect(GROUP_TIMEOUT_S)
         cluster.rebuilds += 1
     finally:
+        cluster.refresh_loads_now()
         cluster._serving.set()

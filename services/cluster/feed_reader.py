@@ -19,7 +19,8 @@ log = logging.getLogger(__name__)
 
 
 class FeedReader:
-    """Reads ``actor.feed(subscriber)`` on the running event loop and routes its items.
+    """Reads ``actor.feed(subscriber)`` on the event loop it was made on and routes its
+    items to the queues of that loop's requests.
 
     A request registers its queue before it starts on the worker; when the feed
     ends (the worker died or became unreachable) every registered queue gets the
@@ -29,7 +30,7 @@ class FeedReader:
 
     def __init__(self, actor, worker_id: str,
                  translate: Callable[[BaseException], BaseException]) -> None:
-        self.worker_id = worker_id
+        self.actor, self.worker_id = actor, worker_id
         self.subscriber = f"gateway-{uuid.uuid4().hex}"
         self.loop = asyncio.get_running_loop()
         self._queues: dict[str, asyncio.Queue[FeedItem | BaseException]] = {}
@@ -41,12 +42,7 @@ class FeedReader:
 
     @property
     def usable(self) -> bool:
-        """Open, and on the event loop now running (tests and tools may run several)."""
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            return False
-        return self._failure is None and not self._task.done() and running is self.loop
+        return self._failure is None and not self._task.done()
 
     def register(self, request_id: str) -> asyncio.Queue[FeedItem | BaseException]:
         queue: asyncio.Queue[FeedItem | BaseException] = asyncio.Queue()
@@ -80,8 +76,10 @@ class FeedReader:
                 queue.put_nowait(self._failure)
 
     def close(self) -> None:
-        """Stop reading; the worker ends the requests still on the feed."""
-        self._task.cancel()
+        """Stop reading; the worker ends the requests still on the feed. Call on the
+        reader's own event loop, or once that loop has closed."""
+        if not self.loop.is_closed():
+            self._task.cancel()
         if ray.is_initialized():
             with contextlib.suppress(Exception):
                 ray.cancel(self._gen)

@@ -109,7 +109,7 @@ class RayDecode(RayWorker):
     def __init__(self, actor, worker_id: str, role: str, rank: int | None = None) -> None:
         super().__init__(actor, worker_id, role, rank)
         self.active: set[str] = set()
-        self._reader: FeedReader | None = None
+        self._readers: dict[asyncio.AbstractEventLoop, FeedReader] = {}  # one per event loop
 
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int],
                       params: SamplingParams, src_rank: int, transfer_id: str,
@@ -153,12 +153,17 @@ class RayDecode(RayWorker):
                 self.active.discard(rid)
 
     def _feed(self) -> FeedReader:
-        """This gateway's open feed of the worker on the running event loop."""
-        if self._reader is None or not self._reader.usable:
-            if self._reader is not None:
-                self._reader.close()
-            self._reader = FeedReader(self.actor, self.worker_id, self._translate)
-        return self._reader
+        """This gateway's open feed of the worker's actor on the running event loop (a new
+        one after a failure or a replacement of the actor; those of closed loops are closed)."""
+        loop = asyncio.get_running_loop()
+        for other in [lp for lp in self._readers if lp.is_closed()]:
+            self._readers.pop(other).close()
+        reader = self._readers.get(loop)
+        if reader is None or not reader.usable or reader.actor is not self.actor:  # or replaced
+            if reader is not None:
+                reader.close()
+            reader = self._readers[loop] = FeedReader(self.actor, self.worker_id, self._translate)
+        return reader
 
     async def cancel(self, request_id: str) -> None:
         try:

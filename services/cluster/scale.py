@@ -112,9 +112,11 @@ def _add(cluster: Cluster, role: str, count: int, timeout_s: float) -> list[str]
                 cluster._connect(drain.GROUP_TIMEOUT_S)
                 cluster.rebuilds += 1
             finally:
+                cluster.refresh_loads_now()
                 cluster._serving.set()
         else:
             _extend(cluster, prefill, new)
+            cluster.refresh_loads_now()
         for w in new:
             cluster.router.add_worker(w)
         cluster.publish_placement()

@@ -143,3 +143,22 @@ def test_a_stream_with_no_progress_fails_after_the_stall_timeout(monkeypatch):
         with pytest.raises(RequestFailedError, match="no progress on decode-0"):
             await s.__anext__()
     asyncio.run(main())
+
+
+def test_each_event_loop_reads_its_own_feed_and_a_closed_loops_feed_is_closed():
+    actor = _FeedActor()
+    w = RayDecode(actor, "decode-0", "decode")
+
+    async def one(rid: str) -> tuple[int, ...]:
+        actor.batches = asyncio.Queue()  # the fake's queue, on this loop
+        s = w.decode(_req(rid))
+        first = asyncio.ensure_future(s.__anext__())
+        await asyncio.sleep(0.01)
+        actor.batches.put_nowait([TokenDelta(rid, (3,), 1, True, FinishReason.STOP)])
+        return (await first).token_ids
+
+    assert asyncio.run(one("a")) == (3,)
+    (first_loop,) = w._readers
+    assert asyncio.run(one("b")) == (3,)
+    assert first_loop not in w._readers and len(w._readers) == 1  # the closed loop's reader went
+    assert len(actor.subscribers) == 2 and len(set(actor.subscribers)) == 2
