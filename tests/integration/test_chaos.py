@@ -165,7 +165,9 @@ def test_chaos(cluster, prompts, reference):
     assert asyncio.run(_until_ready(cluster)), [w.load() for w in cluster.prefill + cluster.decode]
     stats = wait_all_free(cluster, timeout_s=30)
     assert len(stats) == 3
-    assert all(s["free_blocks"] == s["total_blocks"] and s["held"] == 0 for s in stats), stats
+    assert all(s["free_blocks"] == s["total_blocks"] and s["held"] == 0 for s in stats), [
+        {k: s.get(k) for k in ("worker_id", "free_blocks", "total_blocks", "held", "running",
+                               "waiting", "request_ids", "pending_transfers")} for s in stats]
     assert cluster.router.pending_summary()["requests"] == 0
     # the abandoned prompts, asked again, come back exact (no corrupted prefix-cache blocks)
     abandoned = sorted(set(out.by_kind["left"]) | set(out.by_kind["cancelled"]))
