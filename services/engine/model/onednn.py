@@ -42,21 +42,20 @@ class CpuLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         # [out, in] in ``dtype``; no copy when ``weight`` already is one (a tied table)
         self.weight = weight.detach().to(dtype).contiguous()
-        self.bias = None if bias is None else bias.detach().float().clone()
-        self.onednn_bias = None if bias is None else self.bias.to(dtype)  # oneDNN adds it in dtype
-        self.gemv_bias = None if bias is None else self.onednn_bias.float()  # the same values
+        # oneDNN adds the bias in ``dtype``; the GEMV gets the same values widened (one
+        # tensor for fp32)
+        self.onednn_bias = None if bias is None else bias.detach().to(dtype).clone()
+        self.bias = None if self.onednn_bias is None else self.onednn_bias.float()
         self.kernels = cpu_kernels.load() if gemv else None  # None: oneDNN for every input
         self.gemv_rows = GEMV_MAX_ROWS.get(dtype, 0) if self.kernels is not None else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         if flat.shape[0] <= self.gemv_rows:
-            if self.weight.dtype == torch.float32:
-                y = self.kernels.gemv(flat.float().contiguous(), self.weight, self.bias)
-            else:  # round input, bias and output as oneDNN does: a token's logits must not
-                # depend on how many rows its step had
-                rounded = flat.to(self.weight.dtype).float().contiguous()
-                y = self.kernels.gemv(rounded, self.weight, self.gemv_bias).to(self.weight.dtype).float()
+            # input and output rounded to ``dtype`` as oneDNN rounds them (no-ops for fp32):
+            # a token's logits must not depend on how many rows its step had
+            rounded = flat.to(self.weight.dtype).float().contiguous()
+            y = self.kernels.gemv(rounded, self.weight, self.bias).to(self.weight.dtype).float()
         else:
             if self.weight.dtype != torch.float32:
                 flat = flat.to(self.weight.dtype)
@@ -66,7 +65,7 @@ class CpuLinear(nn.Module):
 
     def weight_tensors(self) -> list[torch.Tensor]:
         """The tensors this layer stores (``LlamaModel.weight_bytes`` counts shared ones once)."""
-        return [t for t in (self.weight, self.bias, self.onednn_bias, self.gemv_bias) if t is not None]
+        return [t for t in (self.weight, self.bias, self.onednn_bias) if t is not None]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, " \
