@@ -193,11 +193,10 @@ class Feeds:
         if feed is not None and drop_pending:
             feed.remove(request_id)
 
-    def drop(self, subscriber: str, closed: bool = True) -> list[str]:
-        """Forget the subscriber's feed (refusing later starts on it when ``closed``);
-        returns the requests still on it, for the worker to end."""
-        if closed:
-            self._closed.add(subscriber)
+    def drop(self, subscriber: str) -> list[str]:
+        """Forget the subscriber's feed (later starts on it are refused); returns the
+        requests still on it, for the worker to end."""
+        self._closed.add(subscriber)
         feed = self._by_subscriber.pop(subscriber, None)
         return feed.request_ids if feed is not None else []
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 from collections.abc import AsyncIterator, Mapping, Sequence
 
 import torch
@@ -26,7 +25,7 @@ from services.common.sampling_params import SamplingParams
 from services.engine.engine import EngineOutput
 from services.protocol.messages import (KVTransferDescriptor,
                                         TransferStatus, layer_groups)
-from services.decode.feed import FeedItem, Feeds, StreamError, delta_of, within_stall
+from services.decode.feed import FeedItem, Feeds, delta_of
 from services.protocol.request_path import DecodeRequest, TokenDelta
 from services.transfer.endpoint import make_receiver, open_channel
 from services.transfer.receiver import KVReceiver
@@ -48,7 +47,7 @@ class DecodeWorker(EngineWorker):
     transfer ends DONE (the request joins the batch) or is aborted, after which
     no write into the blocks is in flight and later groups are drained; only
     then are the blocks freed. Every way a request ends (``cancel``, ``abort``,
-    a stream closed at any point, a failed or timed-out transfer, cancellation
+    its feed closed at any point, a failed or timed-out transfer, cancellation
     during ``reserve``) goes through :meth:`_end`, one task per request that
     later callers await.
     """
@@ -214,34 +213,10 @@ class DecodeWorker(EngineWorker):
             await asyncio.shield(self._end(rid))
             raise
 
-    async def _drop_feed(self, subscriber: str, closed: bool = True) -> None:
-        """Forget a feed and end the requests still on it."""
-        for rid in self.feeds.drop(subscriber, closed):
+    async def _drop_feed(self, subscriber: str) -> None:
+        """Forget a feed (later starts on it are refused) and end the requests still on it."""
+        for rid in self.feeds.drop(subscriber):
             await asyncio.shield(self._end(rid))
-
-    async def decode(self, req: DecodeRequest) -> AsyncIterator[TokenDelta]:
-        """One request's deltas on a feed of its own (:meth:`start` plus the feed read
-        here), for callers that hold a single stream."""
-        rid = req.request_id
-        subscriber = f"{rid}/{secrets.token_hex(4)}"
-        feed = self.feeds.get(subscriber)
-        done = False
-        try:
-            last = await self.start(req, subscriber)
-            if last is not None:
-                done = True
-                yield last
-                return
-            while not done:
-                for item in await within_stall(feed.next_batch(), rid, self.worker_id):
-                    if isinstance(item, StreamError):
-                        raise item.error
-                    done = item.finished
-                    yield item
-        finally:
-            await self._drop_feed(subscriber, closed=False)  # its id is never used again
-            if not done:
-                await asyncio.shield(self._end(rid))
 
     def _commit(self, engine, request_id: str, first_token: int, ready) -> EngineOutput:
         """On the engine thread: the compute stream waits for the KV's last write (device-side),

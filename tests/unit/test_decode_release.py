@@ -22,6 +22,7 @@ from services.transfer.channel import ChannelBase
 from services.transfer.endpoint import make_receiver
 from services.transfer.sender import KVSender, SendJob
 from services.transfer.streams import CpuSync
+from tests.decode_stream import decode_stream
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 PROMPT = list(range(3, 40))
@@ -75,6 +76,12 @@ def _connect(worker, stop_at: int = 0):
     return channel, sender
 
 
+async def _close_feeds(worker) -> None:
+    """Every open feed ends, as when its subscriber leaves."""
+    for subscriber in list(worker.feeds._by_subscriber):
+        await worker._drop_feed(subscriber)
+
+
 def _all_free(worker) -> bool:
     e = worker.engine
     return (e.block_pool.num_free == e.block_pool.num_blocks and not e.scheduler.seqs
@@ -111,7 +118,7 @@ def test_cancel_during_reserve_releases_the_reservation(worker):
     sender.close()
 
 
-@pytest.mark.parametrize("how", ["abort", "stream closed"])
+@pytest.mark.parametrize("how", ["abort", "feed closed"])
 def test_ending_a_request_mid_write_frees_its_blocks_only_after_the_write(worker, how):
     channel, sender = _connect(worker, stop_at=3)  # header, first plane, then held
     tid = f"r2#{how}"
@@ -124,14 +131,13 @@ def test_ending_a_request_mid_write_frees_its_blocks_only_after_the_write(worker
             sender.submit(SendJob(tid, 1, blocks, group.layers, g, g == len(desc.layer_groups) - 1,
                                   dst_block_ids=blocks))
         req = DecodeRequest("r2", tuple(PROMPT), PARAMS, output_token_ids=(5,), descriptor=desc)
-        stream = worker.decode(req)
+        stream = decode_stream(worker, req)
         waiting = asyncio.ensure_future(stream.__anext__())
         await asyncio.to_thread(channel.held.wait, 30)  # a write into the blocks is in flight
         if how == "abort":
             ender = asyncio.ensure_future(worker.abort("r2"))
-        else:  # what Ray does to a streaming call whose caller left
-            waiting.cancel()
-            ender = waiting
+        else:  # the gateway went away: its feed closes, which ends the requests on it
+            ender = asyncio.ensure_future(_close_feeds(worker))
         await asyncio.sleep(0.05)
         assert not seen, "blocks freed while a write into them was in flight"
         channel.gate.set()
@@ -160,7 +166,7 @@ def test_a_transfer_that_times_out_releases_and_a_redrive_of_the_same_id_works(w
         desc = await worker.reserve("r3", PROMPT, PARAMS, 0, "r3#0")
         req = DecodeRequest("r3", tuple(PROMPT), PARAMS, output_token_ids=(5,), descriptor=desc)
         with pytest.raises(TransferFailedError, match="FAILED"):
-            async with aclosing(worker.decode(req)) as stream:
+            async with aclosing(decode_stream(worker, req)) as stream:
                 async for _ in stream:
                     pass
         # the same request re-driven to this worker, its KV arriving this time
@@ -172,7 +178,7 @@ def test_a_transfer_that_times_out_releases_and_a_redrive_of_the_same_id_works(w
                                   g == len(desc.layer_groups) - 1, dst_block_ids=blocks))
         req = DecodeRequest("r3", tuple(PROMPT), PARAMS, output_token_ids=(5,), descriptor=desc)
         tokens = []
-        async with aclosing(worker.decode(req)) as stream:
+        async with aclosing(decode_stream(worker, req)) as stream:
             async for delta in stream:
                 tokens += delta.token_ids
         return tokens

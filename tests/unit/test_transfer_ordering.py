@@ -25,6 +25,7 @@ from services.protocol.request_path import DecodeRequest, PrefillRequest
 from services.transfer.channel import ChannelBase
 from services.transfer.endpoint import make_receiver, make_sender
 from services.transfer.streams import RecordingSync
+from tests.decode_stream import decode_stream
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 PROMPT = tuple(range(3, 40))
@@ -110,7 +111,7 @@ def _run(prefill, decode, rid: str, group_size: int, on_first=None) -> list[int]
         req = DecodeRequest(rid, PROMPT, PARAMS, output_token_ids=(first.first_token_id,),
                             descriptor=desc)
         tokens = [first.first_token_id]
-        async for delta in decode.decode(req):
+        async for delta in decode_stream(decode, req):
             tokens.extend(delta.token_ids)
         return desc, tokens
     return asyncio.run(main())
