@@ -45,8 +45,9 @@ async def within_stall(aw, request_id: str, worker_id: str):
     """``await aw``; a request that waits longer than ``STALL_TIMEOUT_S`` for its next
     output fails with ``RequestFailedError``."""
     try:
-        return await asyncio.wait_for(aw, STALL_TIMEOUT_S)
-    except asyncio.TimeoutError:
+        async with asyncio.timeout(STALL_TIMEOUT_S):  # a timer, no task per call: a per-token path
+            return await aw
+    except TimeoutError:
         raise RequestFailedError(f"{request_id}: no progress on {worker_id} for "
                                  f"{STALL_TIMEOUT_S:g}s") from None
 
