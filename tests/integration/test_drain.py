@@ -107,13 +107,15 @@ async def _drain_while_streaming(cluster, prompts, drain_timeout_s, drain):
     return outputs, victim, await drain, seen
 
 
-def test_drained_decode_workers_cut_no_stream(ray_session, checkpoint, prompts, reference):
+def test_drained_decode_workers_cut_no_stream(ray_session, checkpoint, prompts, reference,
+                                              monkeypatch):
     """Two drains on one cluster of three decode workers: the first (a cluster call)
     lets the streams finish in place, the second (timeout 0, requested through Ray)
     re-drives them; then one worker is left, and the pool is scaled back to two; the
     prefill pool grows and shrinks too."""
+    from services.cluster import cluster as cluster_module
     from services.cluster import control
-    from services.cluster.cluster import Cluster
+    from services.cluster.cluster import LOAD_REFRESH_S, Cluster
 
     cluster = Cluster(_config(checkpoint, prefill_workers=1, decode_workers=3)).start()
     try:
@@ -160,6 +162,11 @@ def test_drained_decode_workers_cut_no_stream(ray_session, checkpoint, prompts, 
 
         # and back up (`tandem scale --decode 2`): a new worker joins group and router
         target = [(cluster.control_name, "decode")]
+        at_add: list = []  # every decode worker's load as the router takes the new one
+        monkeypatch.setattr(cluster_module, "LOAD_REFRESH_S", 5.0)  # no poll to paper over it
+        add_worker = cluster.router.add_worker
+        cluster.router.add_worker = lambda w: (at_add.extend(d.load() for d in cluster.decode),
+                                               add_worker(w))[1]
         control.request("scale", target, {"workers": 2, "timeout_s": 120})
         outcome = control.wait_answers("scale", target, time.monotonic() + 180)["decode"]
         assert "error" not in outcome, outcome
@@ -167,6 +174,10 @@ def test_drained_decode_workers_cut_no_stream(ray_session, checkpoint, prompts, 
         assert outcome["workers"] == 2 and outcome["drained"] == []
         assert added in cluster.router.workers and added in cluster.placement
         assert cluster.rebuilds == 1  # the transfer group, rebuilt with it
+        # loads fetched before the new worker took requests: none read as empty or not alive
+        cluster.router.add_worker = add_worker
+        monkeypatch.setattr(cluster_module, "LOAD_REFRESH_S", LOAD_REFRESH_S)
+        assert at_add and all(ld.alive and ld.total_blocks > 0 for ld in at_add), at_add
         outputs = asyncio.run(_run(cluster, prompts))
         assert outputs == reference
         assert sorted(s["worker_id"] for s in wait_all_free(cluster)) == sorted(
