@@ -68,7 +68,7 @@ class TokenFeed:
     """The requests of one subscriber and their outputs not yet taken.
 
     ``add``/``remove`` and :meth:`next_batch` run on the worker's event loop;
-    the sinks from :meth:`sinks` run on the engine thread.
+    the sinks :meth:`add` returns run on the engine thread.
     """
 
     def __init__(self, aio: asyncio.AbstractEventLoop, worker_id: str,
