@@ -1,11 +1,13 @@
-"""The CPU load other processes put on this machine while we measure (Linux ``/proc``).
+"""The CPU other processes take on this machine while we measure (Linux ``/proc``).
 
-``BackgroundSampler`` samples, a few times a second, the threads the kernel has
-runnable (``procs_running`` in ``/proc/stat``) minus the runnable threads of our own
-process trees (this process and, e.g., a ``tandem serve`` subprocess with its Ray
-workers). The mean is the "background cores" ``tandem plan`` shares the CPU with: a
-profile taken on a busy machine is scaled back to a quiet one with it, and
+``BackgroundSampler`` reads, a few times a second, the CPU time all CPUs have been busy
+(``/proc/stat``) and the CPU time of our own process trees (this process and, e.g., a
+``tandem serve`` subprocess with its Ray workers); the difference over the window,
+divided by its length, is the "background cores" ``tandem plan`` shares the CPU with:
+a profile taken on a busy machine is scaled back to a quiet one with it, and
 ``tandem plan --validate`` predicts each mix under the background it was measured in.
+CPU time, unlike a count of runnable threads at sampling instants, is not biased by our
+own threads that run briefly between two reads.
 """
 
 from __future__ import annotations
@@ -17,15 +19,15 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 
-def runnable_threads() -> int | None:
-    """Threads runnable on the machine now (``procs_running``); None off Linux."""
+def busy_cpu_seconds() -> float | None:
+    """CPU seconds all CPUs have been busy since boot (``/proc/stat``: every state but idle
+    and iowait; guest time is already in user); None off Linux."""
     try:
-        for line in Path("/proc/stat").read_text().splitlines():
-            if line.startswith("procs_running"):
-                return int(line.split()[1])
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
     except OSError:
-        pass
-    return None
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
 def process_cpu_seconds(pid: int) -> float | None:
@@ -84,61 +86,63 @@ def wait_until_idle(root: int, max_s: float = 15.0, window_s: float = 0.1,
     return time.monotonic() - t0
 
 
-def own_runnable_threads(roots: Iterable[int]) -> int:
-    """Runnable threads (state R) of the processes ``roots`` and all their descendants."""
-    count = 0
-    for pid in process_tree(roots):
-        try:
-            tasks = list(Path(f"/proc/{pid}/task").iterdir())
-        except OSError:
-            continue
-        for t in tasks:
-            try:
-                if (t / "stat").read_text().rsplit(")", 1)[1].split()[0] == "R":
-                    count += 1
-            except OSError:
-                continue
-    return count
-
-
 class BackgroundSampler:
-    """Mean runnable threads not ours, sampled every ``interval_s`` between ``start`` and ``stop``.
+    """Mean cores other processes kept busy between ``start`` and ``stop``.
 
-    ``roots()`` names our process trees at each sample (default: this process).
+    ``roots()`` names our process trees at each sample (default: this process); the CPU
+    time of each of their processes counts from the first sample that sees it, so a
+    process that joins our trees later is ours from then on.
     """
 
     def __init__(self, roots: Callable[[], list[int]] | None = None, interval_s: float = 0.5) -> None:
         self.roots = roots or (lambda: [os.getpid()])
         self.interval_s = interval_s
-        self.samples: list[int] = []
+        self.samples: list[float] = []  # background cores over each interval
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._ours: dict[int, float] = {}  # pid -> CPU seconds at its last sample
+        self._last: tuple[float, float] | None = None  # (monotonic time, busy CPU seconds)
+        self._busy_s = self._elapsed_s = 0.0
 
-    def sample(self) -> int | None:
-        total = runnable_threads()
-        if total is None:
-            return None
-        # the sampling thread itself is runnable and is one of ours
-        return max(0, total - own_runnable_threads(self.roots()))
+    def sample(self) -> None:
+        """Account the interval since the previous sample (the first one only starts)."""
+        now, busy = time.monotonic(), busy_cpu_seconds()
+        if busy is None:
+            return
+        ours = 0.0
+        seen: dict[int, float] = {}
+        for pid in process_tree(self.roots()):
+            cpu = process_cpu_seconds(pid)
+            if cpu is not None:
+                seen[pid] = cpu
+                ours += cpu - self._ours.get(pid, cpu)
+        self._ours = seen
+        if self._last is not None:
+            dt, others = now - self._last[0], max(0.0, busy - self._last[1] - ours)
+            if dt > 0:
+                self.samples.append(others / dt)
+                self._busy_s += others
+                self._elapsed_s += dt
+        self._last = (now, busy)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            s = self.sample()
-            if s is not None:
-                self.samples.append(s)
+            self.sample()
 
     def start(self) -> BackgroundSampler:
         self._stop.clear()
+        self.sample()
         self._thread = threading.Thread(target=self._run, name="background-sampler", daemon=True)
         self._thread.start()
         return self
 
     def stop(self) -> float | None:
-        """Stop sampling; the mean background runnable threads (None: no sample)."""
+        """Stop sampling; the mean cores other processes used (None: no interval measured)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        return sum(self.samples) / len(self.samples) if self.samples else None
+        self.sample()
+        return self._busy_s / self._elapsed_s if self._elapsed_s else None
 
     def __enter__(self) -> BackgroundSampler:
         return self.start()

@@ -28,6 +28,7 @@ from services.bench.metrics_math import SLO, goodput, summarize
 from services.bench.perf_model import DecodeModel, PrefillModel, StepModel, TransferModel
 from services.bench.cpu_share import Hardware
 from services.bench.plan_sim import Engine, SimRequest, Simulation
+from services.bench.profile import background_cores
 
 SCHEMA = "tandem.plan/v1"
 _MIX = re.compile(r"^(?:(\d+)P\+(\d+)D|colocated[x×*](\d+))$", re.IGNORECASE)
@@ -69,10 +70,10 @@ def all_mixes(max_workers: int) -> list[Mix]:
 
 def quiet_factor(prof: dict[str, Any]) -> float:
     """How much faster the profiled steps run on a quiet machine: the share of the cores the
-    profiled worker's threads got next to the other runnable threads measured meanwhile."""
+    profiled worker's threads got next to the cores other processes used meanwhile."""
     if str(prof["hardware"].get("device", "cpu")).startswith("cuda"):
         return 1.0  # other processes' CPU threads do not slow a GPU step down
-    bg = (prof.get("background") or {}).get("runnable_threads_mean") or 0.0
+    bg = background_cores(prof) or 0.0
     threads = prof["worker"]["threads_per_worker"]
     return min(1.0, prof["hardware"]["cores"] / (threads + bg))
 
@@ -102,7 +103,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads-per-worker", type=int, default=None, help="default: the profile's")
     p.add_argument("--prefill-nice", type=int, default=0, help="as `tandem serve --prefill-nice`")
     p.add_argument("--background-cores", type=float, default=0.0,
-                   help="threads other processes keep runnable on the workers' cores")
+                   help="cores other processes keep busy on the workers' host")
     p.add_argument("--keep-profile-load", action="store_true", help="use the profiled step times as measured "
                    "(default: scaled back to a quiet machine from the load other processes put on it meanwhile)")
     p.add_argument("--frontend-ms-per-token", type=float, default=2.5,

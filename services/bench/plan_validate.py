@@ -77,7 +77,7 @@ def validate(args: argparse.Namespace, prof: dict[str, Any], mixes: list[Any], p
         q = as_profiled["goodput"]["interpolated_rps"]
         rows.append({"mix": mix.label, "quiet_predicted_rps": pred["goodput"]["interpolated_rps"],
                      "as_profiled_rps": q, "as_profiled_error": error(q, m),
-                     "background_threads": bg, "frontend_ms_per_token": 1e3 * frontend,
+                     "background_cores": bg, "frontend_ms_per_token": 1e3 * frontend,
                      "request_path_ms_per_token": 1e3 * path, "predicted_rps": p,
                      "predicted_bounded": under_load["goodput"]["bounded"],
                      "measured_rps": m, "measured_bounded": result["goodput"]["bounded"], "error": error(p, m),
@@ -93,9 +93,9 @@ def validate(args: argparse.Namespace, prof: dict[str, Any], mixes: list[Any], p
 
 def _measure(server: Any, wl: Any, bench_args: argparse.Namespace, label: str,
              model: str) -> tuple[dict[str, Any], float, float | None, float | None]:
-    """Sweep one started-here server: its results, the other processes' mean runnable threads
-    meanwhile, the gateway's plus the client's CPU seconds per streamed token, and the whole
-    request path's: the server's process tree (gateway, Ray, workers) plus the client, less
+    """Sweep one started-here server: its results, the cores other processes used meanwhile,
+    the gateway's plus the client's CPU seconds per streamed token, and the whole request
+    path's: the server's process tree (gateway, Ray, workers) plus the client, less
     the engine threads' step CPU the workers count."""
     from services.bench.cpu_load import BackgroundSampler, process_cpu_seconds, tree_cpu_seconds
 
@@ -142,11 +142,11 @@ def print_validation(v: dict[str, Any]) -> None:
     print()
     print(runinfo.machine_line())
     print("goodput (req/s; + = every rate met the SLO) predicted: on a quiet machine; with the step times as "
-          "profiled (the load then); under the background measured during the run (other processes' runnable "
-          "threads, bg) with the request path's CPU per token measured then (path ms: everything outside the "
+          "profiled (the load then); under the background measured during the run (cores other processes "
+          "used, bg) with the request path's CPU per token measured then (path ms: everything outside the "
           "engine steps, of which the gateway and client: fe ms); and measured, with the errors of the last "
           "two predictions")
-    print(f"{'mix':>13} {'quiet':>7} {'profiled':>8} {'error':>6} {'bg thr':>6} {'fe ms':>5} {'path ms':>7} "
+    print(f"{'mix':>13} {'quiet':>7} {'profiled':>8} {'error':>6} {'bg cores':>8} {'fe ms':>5} {'path ms':>7} "
           f"{'predicted':>10} "
           f"{'measured':>10} "
           f"{'error':>7}   load avg (1 min) before/after")
@@ -157,7 +157,7 @@ def print_validation(v: dict[str, Any]) -> None:
             continue
         err = pct(r["error"])[:-1]
         print(f"{r['mix']:>13} {r['quiet_predicted_rps']:>7.2f} {r['as_profiled_rps']:>8.2f} "
-              f"{pct(r['as_profiled_error']):>6} {r['background_threads']:>6.1f} {r['frontend_ms_per_token']:>5.2f} "
+              f"{pct(r['as_profiled_error']):>6} {r['background_cores']:>8.2f} {r['frontend_ms_per_token']:>5.2f} "
               f"{r.get('request_path_ms_per_token', r['frontend_ms_per_token']):>7.2f} "
               f"{r['predicted_rps']:>9.2f}{'' if r['predicted_bounded'] else '+'} "
               f"{r['measured_rps']:>9.2f}{'' if r['measured_bounded'] else '+'} {err + '%':>7}   "

@@ -195,8 +195,8 @@ def measure(model: str, threads: int, prefill_nice: int, repeats: int, transfer:
         "worker": {"threads_per_worker": threads, "prefill_nice": prefill_nice,
                    "kind": f"gpu-{limits.get('dtype')}" if gpu else f"cpu-{threads}t"},
         "points": {"prefill": prefill_points, "decode": decode_points, "mixed": mixed_points},
-        # runnable threads of other processes meanwhile: `tandem plan` scales the steps back to a quiet machine
-        "background": {"runnable_threads_mean": background, "samples": len(sampler.samples)},
+        # cores other processes used meanwhile: `tandem plan` scales the steps back to a quiet machine
+        "background": {"cores_mean": background, "samples": len(sampler.samples)},
     }
     if transfer:
         from services.bench.transfer import bandwidth
@@ -223,12 +223,19 @@ def fit(prof: dict[str, Any]) -> dict[str, Any]:
     return prof
 
 
+def background_cores(prof: dict[str, Any]) -> float | None:
+    """The cores other processes used while the profile was taken (None: not measured)."""
+    bg = prof.get("background") or {}
+    # profiles before the CPU-time measurement counted runnable threads at sampling instants
+    return bg.get("cores_mean", bg.get("runnable_threads_mean"))
+
+
 def print_profile(prof: dict[str, Any]) -> None:
     f = prof["fit"]
     print(runinfo.machine_line())
-    bg = prof.get("background", {}).get("runnable_threads_mean")
+    bg = background_cores(prof)
     if bg is not None:
-        print(f"other processes kept {bg:.1f} threads runnable on average while the steps were timed")
+        print(f"other processes kept {bg:.2f} cores busy on average while the steps were timed")
     print(f"model {prof['model']['path']} ({prof['engine']['dtype']}), {prof['worker']['threads_per_worker']} "
           f"thread(s) per worker; budget {prof['engine']['max_num_batched_tokens']} tokens per step")
     pre = PrefillModel.from_json(f["prefill"])

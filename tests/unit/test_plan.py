@@ -145,25 +145,37 @@ def test_tandem_plan_rejects_bad_input(tmp_path, capsys):
     assert cli(["plan", "--profile", no_transfer, "--preset", "chat", "--mixes", "2Q", "--no-plots"]) == 2
 
 
-def test_background_sampler_leaves_out_our_own_threads():
+def test_background_sampler_counts_other_processes_cpu_not_ours():
     import os
+    import signal
+    import subprocess
+    import sys
     import threading
+    import time
 
-    from services.bench.cpu_load import BackgroundSampler, own_runnable_threads, process_cpu_seconds
+    from services.bench.cpu_load import BackgroundSampler, process_cpu_seconds
+
+    def measure() -> float:
+        sampler = BackgroundSampler(interval_s=0.1).start()
+        time.sleep(1.5)
+        return sampler.stop()
 
     stop = threading.Event()
     spinner = threading.Thread(target=lambda: [None for _ in iter(stop.is_set, True)], daemon=True)
     spinner.start()  # one of our threads busy on a core
     try:
-        assert own_runnable_threads([os.getpid()]) >= 1
-        sampler = BackgroundSampler(interval_s=0.01)
-        sampler.start()
-        while len(sampler.samples) < 3:
-            stop.wait(0.01)
-        assert sampler.stop() >= 0.0
+        ours = measure()
     finally:
         stop.set()
         spinner.join()
+    # a busy process outside our tree (the shell exits; its child is reparented away from us)
+    pid = int(subprocess.run(["sh", "-c", f"{sys.executable} -c 'while True: pass' >/dev/null 2>&1 & echo $!"],
+                             capture_output=True, text=True, check=True).stdout)
+    try:
+        theirs = measure()
+    finally:
+        os.kill(pid, signal.SIGKILL)
+    assert ours < 0.5 < theirs
     assert process_cpu_seconds(os.getpid()) > 0
     assert process_cpu_seconds(2**22 + 12345) is None  # no such process
 
@@ -172,7 +184,7 @@ def test_validation_table_shows_errors_and_unmeasured_mixes(capsys):
     from services.bench.plan_validate import print_validation
 
     row = {"mix": "1P+1D", "quiet_predicted_rps": 2.0, "as_profiled_rps": 1.1, "as_profiled_error": error(1.1, 1.0),
-           "background_threads": 3.2, "frontend_ms_per_token": 1.2, "predicted_rps": 1.2, "predicted_bounded": True,
+           "background_cores": 3.2, "frontend_ms_per_token": 1.2, "predicted_rps": 1.2, "predicted_bounded": True,
            "measured_rps": 1.0, "measured_bounded": True, "error": error(1.2, 1.0),
            "load_avg_before": [5.0, 4.0, 3.0], "load_avg_after": [6.0, 5.0, 4.0]}
     print_validation({"rows": [row, {"mix": "2P+1D", "failed": "did not become ready"}],
