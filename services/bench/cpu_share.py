@@ -17,6 +17,9 @@ class Hardware:
     prefill_nice: int = 0
     background_cores: float = 0.0
     frontend_s_per_token: float = 0.0  # CPU the gateway and client spend per streamed token
+    # what a served worker's step takes longer per token it emits than the profiled step
+    # (its outputs handed to the token feed, its Ray threads holding the GIL meanwhile)
+    step_s_per_token: float = 0.0
 
 
 @dataclass

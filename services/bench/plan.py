@@ -112,6 +112,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "threads; they share the workers' cores on one host. 2.5: measured by `--validate` on a "
                    "2-core x86 host (2.5-3.2 on the interference preset); less when the gateway and clients "
                    "run elsewhere")
+    p.add_argument("--step-ms-per-token", type=float, default=0.3,
+                   help="how much longer a served worker's step is than the profiled one per token it emits "
+                   "(ms): the worker hands its outputs to the token feeds and its Ray threads hold the GIL "
+                   "meanwhile. 0.3: decode steps of a 1P+1D server at batch 16 and 32 (`tandem bench serve "
+                   "--rates inf --num-prompts N`: 37.3 and 57.0 ms between tokens) against the profile's "
+                   "31.8 and 48.3 ms")
     p.add_argument("--repeats", type=int, default=3, help="request sequences simulated per rate (seeds "
                    "SEED, SEED+1, ...; the first is the one `tandem bench serve` sends)")
     p.add_argument("--helm-values", default=None, metavar="FILE", help="write the recommended mix's replicas "
@@ -200,7 +206,8 @@ def main(args: argparse.Namespace) -> int:
     cores = args.cores or (math.inf if on_gpu else prof["hardware"]["cores"])  # GPU workers share no cores
     if args.repeats < 1 or threads < 1 or cores <= 0:
         raise ValueError("--repeats, --threads-per-worker and --cores must be positive")
-    hw = Hardware(cores, threads, args.prefill_nice, args.background_cores, args.frontend_ms_per_token / 1e3)
+    hw = Hardware(cores, threads, args.prefill_nice, args.background_cores, args.frontend_ms_per_token / 1e3,
+                  args.step_ms_per_token / 1e3)
     max_workers = args.max_workers or (8 if on_gpu else max(2, int(2 * cores // threads)))
     mixes = [Mix.parse(m) for m in args.mixes.split(",")] if args.mixes else all_mixes(max_workers)
     if "transfer" not in prof["fit"] and any(not m.colocated for m in mixes):

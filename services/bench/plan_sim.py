@@ -7,7 +7,9 @@ What it models, and from where:
 - each worker's continuous batching as ``services.engine.scheduler`` does it: per step a
   token budget, decodes first, then in-progress prompt chunks, then waiting prompts in
   arrival order (chunked prefill), at most ``max_num_seqs`` running;
-- step times from the profile's fitted models (``services.bench.perf_model``);
+- step times from the profile's fitted models (``services.bench.perf_model``), each
+  longer by ``step_s_per_token`` per token it emits (what a served worker does on its
+  step path that the profiled engine alone does not);
 - disaggregated: token #1 at the end of the prefill step that completes the prompt (the
   gateway streams it at once), the KV reaches the decode worker after the profiled
   transfer time of its bytes, which then decodes tokens 2..n; colocated: one worker does
@@ -22,7 +24,8 @@ What it models, and from where:
 
 Not modelled: preemption (KV blocks are assumed to suffice), prefix-cache hits, the
 network between gateway and workers, the request path's per-request and per-prompt-token
-costs (folded into the per-token one), Python and Ray latencies beyond that CPU.
+costs (folded into the per-token one), Python and Ray latencies beyond that CPU and the
+per-token step cost.
 """
 
 from __future__ import annotations
@@ -81,8 +84,10 @@ class _Seq:
 class SimWorker:
     """One worker: its queues, its step in progress, its load as the router sees it."""
 
-    def __init__(self, worker_id: str, role: str, engine: Engine, steps: StepModel, job: Job) -> None:
+    def __init__(self, worker_id: str, role: str, engine: Engine, steps: StepModel, job: Job,
+                 step_s_per_token: float = 0.0) -> None:
         self.worker_id, self.role, self.engine, self.steps, self.job = worker_id, role, engine, steps, job
+        self.step_s_per_token = step_s_per_token
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
         self.reserved: dict[str, int] = {}  # rid -> blocks held for KV on its way
@@ -119,6 +124,8 @@ class SimWorker:
         self.job.remaining = self.steps.step(sum(n for _, n in chunks),
                                              sum(attention_pairs(n, s.tokens) for s, n in chunks),
                                              len(decodes), sum(s.tokens + 1 for s in decodes))
+        emitted = len(decodes) + sum(1 for s, n in chunks if n == s.prefill_left)
+        self.job.remaining += self.step_s_per_token * emitted
         return True
 
 
@@ -151,9 +158,10 @@ class Simulation:
         self.workers: dict[str, SimWorker] = {}
         pw = nice_weight(hardware.prefill_nice)
         for i in range(0 if colocated else prefill):
-            self._add(SimWorker(f"prefill-{i}", PREFILL, engine, steps, Job(0, pw)))
+            self._add(SimWorker(f"prefill-{i}", PREFILL, engine, steps, Job(0, pw), hardware.step_s_per_token))
         for i in range(decode):
-            self._add(SimWorker(f"decode-{i}", BOTH if colocated else DECODE, engine, steps, Job(0, 1.0)))
+            self._add(SimWorker(f"decode-{i}", BOTH if colocated else DECODE, engine, steps, Job(0, 1.0),
+                                hardware.step_s_per_token))
         self.frontend = Job(0, 1.0)
         self.background = Job(hardware.background_cores, 1.0, math.inf)
         self.now = 0.0

@@ -18,10 +18,10 @@ def steps(prefill_s: float = 0.1, per_token: float = 0.0, decode_base: float = 0
 
 
 def simulate(requests, *, prefill=1, decode=1, colocated=False, model=None, cores=8.0, budget=2048,
-             transfer=TransferModel(0.005, 1e-6), threads=1, prefill_nice=0):
+             transfer=TransferModel(0.005, 1e-6), threads=1, prefill_nice=0, step_s_per_token=0.0):
     sim = Simulation(requests, prefill=prefill, decode=decode, colocated=colocated, steps=model or steps(),
                      transfer=transfer, engine=Engine(budget, 256, 16, 100_000, KV_BYTES),
-                     hardware=Hardware(cores, threads, prefill_nice))
+                     hardware=Hardware(cores, threads, prefill_nice, step_s_per_token=step_s_per_token))
     return sim.run().records
 
 
@@ -51,6 +51,17 @@ def test_decode_batch_tpot_is_the_profiled_step_time():
         assert r["ttft_s"] == pytest.approx(0.3)
         assert r["tpot_s"] == pytest.approx(0.01 + 8 * 0.002)
         assert r["output_tokens"] == 20
+
+
+def test_a_served_step_is_longer_by_its_per_token_cost():
+    # as above, each step also pays the served cost of every token it emits: the prefill
+    # step 8 first tokens, each decode step 8 tokens
+    model = steps(prefill_s=0.3, decode_base=0.01, per_seq=0.002)
+    recs = simulate([req(0.0, 32, 20, i) for i in range(8)], decode=1, colocated=True, model=model,
+                    step_s_per_token=0.001)
+    for r in recs:
+        assert r["ttft_s"] == pytest.approx(0.3 + 8 * 0.001)
+        assert r["tpot_s"] == pytest.approx(0.01 + 8 * 0.002 + 8 * 0.001)
 
 
 def test_one_disaggregated_request_adds_the_transfer_before_token_two():
