@@ -16,10 +16,17 @@ class Hardware:
     threads: int = 1
     prefill_nice: int = 0
     background_cores: float = 0.0
-    frontend_s_per_token: float = 0.0  # CPU the gateway and client spend per streamed token
+    # CPU the whole request path spends per streamed token outside the engine steps
+    # (gateway, client, Ray, the workers' own threads), the part below included
+    frontend_s_per_token: float = 0.0
     # what a served worker's step takes longer per token it emits than the profiled step
     # (its outputs handed to the token feed, its Ray threads holding the GIL meanwhile)
     step_s_per_token: float = 0.0
+
+    @property
+    def outside_workers_s_per_token(self) -> float:
+        """The request path's CPU per token that the workers' steps do not already spend."""
+        return max(0.0, self.frontend_s_per_token - self.step_s_per_token)
 
 
 @dataclass

@@ -207,8 +207,7 @@ class Simulation:
 
     def _token(self, seq: _Seq) -> None:
         self.token_times.setdefault(seq.index, []).append(self.now)
-        if self.hw.frontend_s_per_token:
-            self.frontend.remaining += self.hw.frontend_s_per_token
+        self.frontend.remaining += self.hw.outside_workers_s_per_token
 
     def _finish_step(self, w: SimWorker) -> None:
         decodes, chunks = w.step  # type: ignore[misc]
