@@ -14,6 +14,7 @@ import dataclasses
 import os
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,18 @@ from services.bench import serve as serve_bench
 from services.cluster.telemetry import DEFAULT_INTERVAL_S
 
 TELEMETRY_WAIT_S = DEFAULT_INTERVAL_S + 0.5
+IDLE_S = 3.0  # how long the started server's CPU at rest is measured
+
+
+@dataclass
+class Measured:
+    """One mix's sweep and the CPU around it."""
+
+    result: dict[str, Any]  # as `tandem bench serve` writes it
+    background_cores: float  # other processes' CPU meanwhile
+    idle_cores: float | None  # the server's own CPU at rest (load polls, Ray): paid at any rate
+    frontend_s_per_token: float | None  # the gateway's and the client's CPU per streamed token
+    path_s_per_token: float | None  # the whole request path's, less the idle CPU over the sweep
 
 
 def error(predicted: float, measured: float) -> float | None:
@@ -55,17 +68,19 @@ def validate(args: argparse.Namespace, prof: dict[str, Any], mixes: list[Any], p
                               startup_timeout_s=args.startup_timeout)
         print(f"measuring {mix.label}: {' '.join(server.argv[3:])}", flush=True)
         try:
-            result, bg, frontend, path = _measure(server, wl, bench_args, mix.label, model)
+            got = _measure(server, wl, bench_args, mix.label, model)
         except RuntimeError as e:  # e.g. it could not start (the log's tail is in the message)
             print(f"{mix.label} NOT measured: {e}", flush=True)
             rows.append({"mix": mix.label, "failed": str(e).splitlines()[0]})
             continue
-        frontend = frontend if frontend is not None else hw.frontend_s_per_token
+        result, idle = got.result, got.idle_cores or 0.0
+        frontend = got.frontend_s_per_token if got.frontend_s_per_token is not None else hw.frontend_s_per_token
         # the whole request path (gateway, client, Ray, the workers outside their engine
-        # steps) as the frontend's per-token CPU: all of it competes for the same cores
-        path = path if path is not None else frontend
+        # steps) as the frontend's per-token CPU, the server's CPU at rest as background:
+        # all of it competes for the same cores
+        path = got.path_s_per_token if got.path_s_per_token is not None else frontend
         under_load = simulate(mix, args, rates, wl.slo, prof, dataclasses.replace(
-            hw, background_cores=bg, frontend_s_per_token=path))
+            hw, background_cores=got.background_cores + idle, frontend_s_per_token=path))
         loaded.append(under_load)
         as_profiled = simulate(mix, argparse.Namespace(**{**vars(args), "keep_profile_load": True}), rates,
                                wl.slo, prof, dataclasses.replace(hw, background_cores=0.0))
@@ -77,7 +92,8 @@ def validate(args: argparse.Namespace, prof: dict[str, Any], mixes: list[Any], p
         q = as_profiled["goodput"]["interpolated_rps"]
         rows.append({"mix": mix.label, "quiet_predicted_rps": pred["goodput"]["interpolated_rps"],
                      "as_profiled_rps": q, "as_profiled_error": error(q, m),
-                     "background_cores": bg, "frontend_ms_per_token": 1e3 * frontend,
+                     "background_cores": got.background_cores, "idle_cores": idle,
+                     "frontend_ms_per_token": 1e3 * frontend,
                      "request_path_ms_per_token": 1e3 * path, "predicted_rps": p,
                      "predicted_bounded": under_load["goodput"]["bounded"],
                      "measured_rps": m, "measured_bounded": result["goodput"]["bounded"], "error": error(p, m),
@@ -91,22 +107,28 @@ def validate(args: argparse.Namespace, prof: dict[str, Any], mixes: list[Any], p
     return out
 
 
-def _measure(server: Any, wl: Any, bench_args: argparse.Namespace, label: str,
-             model: str) -> tuple[dict[str, Any], float, float | None, float | None]:
-    """Sweep one started-here server: its results, the cores other processes used meanwhile,
-    the gateway's plus the client's CPU seconds per streamed token, and the whole request
-    path's: the server's process tree (gateway, Ray, workers) plus the client, less
-    the engine threads' step CPU the workers count."""
-    from services.bench.cpu_load import BackgroundSampler, process_cpu_seconds, tree_cpu_seconds
+def _measure(server: Any, wl: Any, bench_args: argparse.Namespace, label: str, model: str) -> Measured:
+    """Sweep one started-here server. Its request path's CPU is the server's process tree
+    (gateway, Ray, workers) plus the client, less the engine threads' step CPU the workers
+    count and the tree's CPU at rest (measured for ``IDLE_S`` before the sweep) over the
+    sweep's length."""
+    from services.bench.cpu_load import (BackgroundSampler, process_cpu_seconds, tree_cpu_seconds,
+                                         wait_until_idle)
 
     with server:
         gateway_pid = server.proc.pid
+        wait_until_idle(gateway_pid)
+        rest0 = tree_cpu_seconds(gateway_pid)
+        time.sleep(IDLE_S)
+        idle = (tree_cpu_seconds(gateway_pid) - rest0) / IDLE_S
         sampler = BackgroundSampler(lambda: [os.getpid(), gateway_pid])
         cpu0, tree0, steps0 = process_cpu_seconds(gateway_pid) or 0.0, tree_cpu_seconds(gateway_pid), \
             engine_step_cpu(server.url)
+        t0 = time.monotonic()
         with sampler:
             result = serve_bench.sweep(server.url, server.served_model_name, wl, bench_args, label,
                                        {**server.describe(), "model_path": model})
+        swept_s = time.monotonic() - t0
         gateway_cpu = (process_cpu_seconds(gateway_pid) or cpu0) - cpu0
         tree_cpu = tree_cpu_seconds(gateway_pid) - tree0
         time.sleep(TELEMETRY_WAIT_S)  # /metrics serves the workers' counters as last refreshed
@@ -115,10 +137,10 @@ def _measure(server: Any, wl: Any, bench_args: argparse.Namespace, label: str,
     tokens = sum(run["summary"]["output_tokens"] for run in result["runs"])
     client_cpu = sum(run["client_cpu_s"] for run in result["runs"])
     if not tokens:
-        return result, bg, None, None
+        return Measured(result, bg, idle, None, None)
     path = None if steps0 is None or steps1 is None else \
-        max(0.0, tree_cpu + client_cpu - (steps1 - steps0)) / tokens
-    return result, bg, (gateway_cpu + client_cpu) / tokens, path
+        max(0.0, tree_cpu + client_cpu - (steps1 - steps0) - idle * swept_s) / tokens
+    return Measured(result, bg, idle, (gateway_cpu + client_cpu) / tokens, path)
 
 
 def engine_step_cpu(url: str) -> float | None:
@@ -143,10 +165,11 @@ def print_validation(v: dict[str, Any]) -> None:
     print(runinfo.machine_line())
     print("goodput (req/s; + = every rate met the SLO) predicted: on a quiet machine; with the step times as "
           "profiled (the load then); under the background measured during the run (cores other processes "
-          "used, bg) with the request path's CPU per token measured then (path ms: everything outside the "
-          "engine steps, of which the gateway and client: fe ms); and measured, with the errors of the last "
+          "used, bg, plus the server's own CPU at rest, idle) with the request path's CPU per token measured "
+          "then (path ms: everything outside the engine steps and the idle CPU, of which the gateway and "
+          "client: fe ms); and measured, with the errors of the last "
           "two predictions")
-    print(f"{'mix':>13} {'quiet':>7} {'profiled':>8} {'error':>6} {'bg cores':>8} {'fe ms':>5} {'path ms':>7} "
+    print(f"{'mix':>13} {'quiet':>7} {'profiled':>8} {'error':>6} {'bg cores':>8} {'idle':>5} {'fe ms':>5} {'path ms':>7} "
           f"{'predicted':>10} "
           f"{'measured':>10} "
           f"{'error':>7}   load avg (1 min) before/after")
@@ -157,7 +180,8 @@ def print_validation(v: dict[str, Any]) -> None:
             continue
         err = pct(r["error"])[:-1]
         print(f"{r['mix']:>13} {r['quiet_predicted_rps']:>7.2f} {r['as_profiled_rps']:>8.2f} "
-              f"{pct(r['as_profiled_error']):>6} {r['background_cores']:>8.2f} {r['frontend_ms_per_token']:>5.2f} "
+              f"{pct(r['as_profiled_error']):>6} {r['background_cores']:>8.2f} "
+              f"{r.get('idle_cores', 0.0):>5.2f} {r['frontend_ms_per_token']:>5.2f} "
               f"{r.get('request_path_ms_per_token', r['frontend_ms_per_token']):>7.2f} "
               f"{r['predicted_rps']:>9.2f}{'' if r['predicted_bounded'] else '+'} "
               f"{r['measured_rps']:>9.2f}{'' if r['measured_bounded'] else '+'} {err + '%':>7}   "

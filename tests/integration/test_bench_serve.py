@@ -123,3 +123,34 @@ def test_bench_compare_runs_both_modes_and_another_server(server, tiny_model_dir
         url = json.loads((out / f"{label}-results.json").read_text())["meta"]["server"]["url"]
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"{url}/health", timeout=2)
+
+
+def test_plan_validate_measures_a_started_server_and_its_cpu(tiny_model_dir, tmp_path):
+    from services.bench import profile as profile_mod
+    from services.bench.perf_model import attention_pairs
+
+    pts = {"prefill": [{"tokens": n, "seqs": 1, "pairs": attention_pairs(n), "seconds": 0.005 + 1e-5 * n}
+                       for n in (16, 64, 256)],
+           "decode": [{"batch": b, "context": c, "seconds": 0.005 + 1e-4 * b} for b, c in ((1, 32), (8, 64), (16, 32))],
+           "mixed": []}
+    prof = profile_mod.fit({
+        "schema": profile_mod.SCHEMA, "hardware": {"cpu": "test CPU", "cores": 2, "device": "cpu"},
+        "model": {"path": str(tiny_model_dir)}, "worker": {"threads_per_worker": 1, "prefill_nice": 0},
+        "engine": {"max_num_batched_tokens": 2048, "max_num_seqs": 256, "block_size": 16, "num_blocks": 1024,
+                   "kv_bytes_per_token": 1024}, "points": pts})
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(prof))
+    out = tmp_path / "plan"
+    proc = subprocess.run([sys.executable, "-m", "services.cluster.cli", "plan", "--profile", str(path),
+                           "--mixes", "colocatedx1", "--input-len", "16", "--output-len", "8", "--num-prompts", "6",
+                           "--rates", "4", "--slo-ttft-ms", "3000", "--slo-tpot-ms", "500", "--repeats", "1",
+                           "--validate", "--no-plots", "--out-dir", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode in (0, 1), proc.stdout + proc.stderr
+    (row,) = json.loads((out / "plan.json").read_text())["validation"]["rows"]
+    assert row["mix"] == "colocated×1" and row["measured_rps"] > 0, row
+    # the server's CPU at rest (its load polls) is a fraction of a core; the rest of the
+    # request path is per streamed token; other processes' CPU is not ours
+    assert 0.0 <= row["idle_cores"] < 0.5
+    assert row["request_path_ms_per_token"] > 0 and 0.0 <= row["background_cores"] < 2.0
+    assert "idle" in proc.stdout and "colocated×1" in proc.stdout
