@@ -15,7 +15,8 @@ class Hardware:
     cores: float
     threads: int = 1
     prefill_nice: int = 0
-    background_cores: float = 0.0
+    background_cores: float = 0.0  # other processes' CPU
+    server_idle_cores: float = 0.0  # the server's own CPU at rest (load polls, Ray), paid at any rate
     # CPU the whole request path spends per streamed token outside the engine steps
     # (gateway, client, Ray, the workers' own threads), the part below included
     frontend_s_per_token: float = 0.0

@@ -106,12 +106,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="cores other processes keep busy on the workers' host")
     p.add_argument("--keep-profile-load", action="store_true", help="use the profiled step times as measured "
                    "(default: scaled back to a quiet machine from the load other processes put on it meanwhile)")
-    p.add_argument("--frontend-ms-per-token", type=float, default=2.5,
-                   help="CPU the request path spends per streamed token outside the engine steps (ms): the "
-                   "gateway, the load generator, Ray's calls and token feeds, the KV send and receive "
-                   "threads; they share the workers' cores on one host. 2.5: measured by `--validate` on a "
-                   "2-core x86 host (2.5-3.2 on the interference preset); less when the gateway and clients "
-                   "run elsewhere")
+    p.add_argument("--server-idle-cores", type=float, default=0.08,
+                   help="the server's own CPU at rest (load polls, Ray's processes), paid at any rate. 0.08: "
+                   "measured by `--validate` on a 2-core x86 host (0.07-0.10 for 2-3 workers)")
+    p.add_argument("--frontend-ms-per-token", type=float, default=1.0,
+                   help="CPU the request path spends per streamed token outside the engine steps and the idle "
+                   "CPU (ms): the gateway, the load generator, Ray's calls and token feeds, the KV send and "
+                   "receive threads; they share the workers' cores on one host. 1.0: measured by `--validate` "
+                   "on a 2-core x86 host (0.74-0.76 on the interference preset at 4-10 req/s, 1.3-1.9 on chat "
+                   "at 1-4 req/s: a step's bookkeeping is spread over fewer tokens at lower rates); less when "
+                   "the gateway and clients run elsewhere")
     p.add_argument("--step-ms-per-token", type=float, default=0.3,
                    help="how much longer a served worker's step is than the profiled one per token it emits "
                    "(ms): the worker hands its outputs to the token feeds and its Ray threads hold the GIL "
@@ -206,8 +210,8 @@ def main(args: argparse.Namespace) -> int:
     cores = args.cores or (math.inf if on_gpu else prof["hardware"]["cores"])  # GPU workers share no cores
     if args.repeats < 1 or threads < 1 or cores <= 0:
         raise ValueError("--repeats, --threads-per-worker and --cores must be positive")
-    hw = Hardware(cores, threads, args.prefill_nice, args.background_cores, args.frontend_ms_per_token / 1e3,
-                  args.step_ms_per_token / 1e3)
+    hw = Hardware(cores, threads, args.prefill_nice, args.background_cores, args.server_idle_cores,
+                  args.frontend_ms_per_token / 1e3, args.step_ms_per_token / 1e3)
     max_workers = args.max_workers or (8 if on_gpu else max(2, int(2 * cores // threads)))
     mixes = [Mix.parse(m) for m in args.mixes.split(",")] if args.mixes else all_mixes(max_workers)
     if "transfer" not in prof["fit"] and any(not m.colocated for m in mixes):

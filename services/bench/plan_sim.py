@@ -16,7 +16,7 @@ What it models, and from where:
   all of it;
 - CPU contention: every busy worker wants ``threads`` cores, a frontend (gateway, load
   generator) wants one core while it has per-token work, a background wants
-  ``background_cores``; the cores are shared by weight (Linux CFS: nice ``n`` weighs
+  ``background_cores`` plus the server's own CPU at rest (``server_idle_cores``); the cores are shared by weight (Linux CFS: nice ``n`` weighs
   ``1.25**-n``), no thread faster than one core (processor sharing, re-divided at each
   event). The frontend's per-token work stands for the whole request path outside the
   engine steps (gateway, load generator, Ray's calls and streams, KV send/receive threads),
@@ -163,7 +163,7 @@ class Simulation:
             self._add(SimWorker(f"decode-{i}", BOTH if colocated else DECODE, engine, steps, Job(0, 1.0),
                                 hardware.step_s_per_token))
         self.frontend = Job(0, 1.0)
-        self.background = Job(hardware.background_cores, 1.0, math.inf)
+        self.background = Job(hardware.background_cores + hardware.server_idle_cores, 1.0, math.inf)
         self.now = 0.0
         self._events: list[tuple[float, int, str, Any]] = []
         self._n = 0

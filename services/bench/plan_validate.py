@@ -73,14 +73,15 @@ def validate(args: argparse.Namespace, prof: dict[str, Any], mixes: list[Any], p
             print(f"{mix.label} NOT measured: {e}", flush=True)
             rows.append({"mix": mix.label, "failed": str(e).splitlines()[0]})
             continue
-        result, idle = got.result, got.idle_cores or 0.0
+        result = got.result
+        idle = got.idle_cores if got.idle_cores is not None else hw.server_idle_cores
         frontend = got.frontend_s_per_token if got.frontend_s_per_token is not None else hw.frontend_s_per_token
         # the whole request path (gateway, client, Ray, the workers outside their engine
         # steps) as the frontend's per-token CPU, the server's CPU at rest as background:
         # all of it competes for the same cores
         path = got.path_s_per_token if got.path_s_per_token is not None else frontend
         under_load = simulate(mix, args, rates, wl.slo, prof, dataclasses.replace(
-            hw, background_cores=got.background_cores + idle, frontend_s_per_token=path))
+            hw, background_cores=got.background_cores, server_idle_cores=idle, frontend_s_per_token=path))
         loaded.append(under_load)
         as_profiled = simulate(mix, argparse.Namespace(**{**vars(args), "keep_profile_load": True}), rates,
                                wl.slo, prof, dataclasses.replace(hw, background_cores=0.0))
