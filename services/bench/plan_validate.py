@@ -98,6 +98,8 @@ def validate(args: argparse.Namespace, prof: dict[str, Any], mixes: list[Any], p
                      "request_path_ms_per_token": 1e3 * path, "predicted_rps": p,
                      "predicted_bounded": under_load["goodput"]["bounded"],
                      "measured_rps": m, "measured_bounded": result["goodput"]["bounded"], "error": error(p, m),
+                     # per rate, as the measured results (measured-MIX-results.json) have them
+                     "predicted_runs": under_load["runs"],
                      "load_avg_before": load_before, "load_avg_after": runinfo.machine()["load_avg_at_start"]})
     best_pred = recommend(loaded, target_rate, wl.slo.attainment)
     best_meas = recommend(measured, target_rate, wl.slo.attainment)

@@ -153,4 +153,5 @@ def test_plan_validate_measures_a_started_server_and_its_cpu(tiny_model_dir, tmp
     # request path is per streamed token; other processes' CPU is not ours
     assert 0.0 <= row["idle_cores"] < 0.5
     assert row["request_path_ms_per_token"] > 0 and 0.0 <= row["background_cores"] < 2.0
+    assert [r["rate"] for r in row["predicted_runs"]] == [4.0] and "ttft_ms" in row["predicted_runs"][0]["summary"]
     assert "idle" in proc.stdout and "colocated×1" in proc.stdout
