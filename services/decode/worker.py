@@ -39,6 +39,12 @@ class TransferFailedError(RuntimeError):
     """The KV of a request did not arrive (dead prefill worker, timeout, checksum)."""
 
 
+class _Waiter:
+    """A call waiting for an earlier release of its request id; ``ended`` by a later abort."""
+
+    ended = False
+
+
 class DecodeWorker(EngineWorker):
     """Wrap with ``ray.remote`` (async actor); one engine, one receiver.
 
@@ -64,6 +70,7 @@ class DecodeWorker(EngineWorker):
         self._transfers: dict[str, tuple[str, KVReceiver]] = {}  # request -> (transfer, receiver)
         self._reserving: dict[str, asyncio.Task] = {}  # request -> its reserve in progress
         self._ending: dict[str, asyncio.Task] = {}  # request -> its release in progress
+        self._settling: dict[str, list[_Waiter]] = {}  # request -> calls waiting for that release
         self.feeds = Feeds(worker_id, self.loop.close_stream)
         self.kv_bytes_received = 0
         self._retune_threads()
@@ -113,7 +120,8 @@ class DecodeWorker(EngineWorker):
 
         Cancelled midway, the reservation is released once it has been made.
         """
-        await self._settled(request_id)
+        if not await self._settled(request_id):
+            raise TransferFailedError(f"{request_id}: ended on {self.worker_id} before its reservation")
         task = asyncio.ensure_future(self._reserve(request_id, prompt_token_ids, params,
                                                    src_rank, transfer_id, layer_group_size,
                                                    checksum))
@@ -192,7 +200,8 @@ class DecodeWorker(EngineWorker):
         """
         rid = req.request_id
         self.feeds.get(subscriber)  # refused at once if the subscriber has gone
-        await self._settled(rid)
+        if not await self._settled(rid):
+            raise TransferFailedError(f"{rid}: ended on {self.worker_id} before it started")
         index = 1 if req.descriptor is not None else len(req.output_token_ids)
         self.loop.open_stream(rid, *self.feeds.attach(rid, subscriber, index))
         try:
@@ -252,7 +261,10 @@ class DecodeWorker(EngineWorker):
 
     # -- one release path ---------------------------------------------------------
     def _end(self, request_id: str) -> asyncio.Task:
-        """The request's release task: started once, awaited by every caller."""
+        """The request's release task: started once, awaited by every caller. Calls still
+        waiting for an earlier release of the id (``_settled``) are ended with it."""
+        for waiter in self._settling.get(request_id, ()):
+            waiter.ended = True
         task = self._ending.get(request_id)
         if task is None:
             task = asyncio.ensure_future(self._release(request_id))
@@ -281,11 +293,23 @@ class DecodeWorker(EngineWorker):
             self.loop.dispatch([out])  # a stream still read ends with ``abort``
         self.feeds.detach(request_id, drop_pending=out is None)
 
-    async def _settled(self, request_id: str) -> None:
-        """Wait for an earlier release of the same request id (a re-drive to this worker)."""
+    async def _settled(self, request_id: str) -> bool:
+        """Wait for an earlier release of the same request id (a re-drive to this worker);
+        False when the request was ended again meanwhile (its gateway left, and that abort
+        found the earlier release still running)."""
         ending = self._ending.get(request_id)
-        if ending is not None:
+        if ending is None:
+            return True
+        waiter = _Waiter()
+        self._settling.setdefault(request_id, []).append(waiter)
+        try:
             await asyncio.shield(ending)
+        finally:
+            waiters = self._settling[request_id]
+            waiters.remove(waiter)
+            if not waiters:
+                del self._settling[request_id]
+        return not waiter.ended
 
     @staticmethod
     def _forget_task(tasks: dict[str, asyncio.Task], request_id: str, task: asyncio.Task) -> None:

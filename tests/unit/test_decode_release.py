@@ -22,6 +22,7 @@ from services.transfer.channel import ChannelBase
 from services.transfer.endpoint import make_receiver
 from services.transfer.sender import KVSender, SendJob
 from services.transfer.streams import CpuSync
+from services.decode.worker import TransferFailedError
 from tests.decode_stream import decode_stream
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -186,4 +187,29 @@ def test_a_transfer_that_times_out_releases_and_a_redrive_of_the_same_id_works(w
     assert len(tokens) == PARAMS.max_tokens - 1
     assert _all_free(worker)
     assert worker.receiver._pending == {}
+    sender.close()
+
+
+def test_an_abort_during_a_redrives_wait_for_the_earlier_release_ends_the_redrive_too(worker):
+    # attempt 0 is being released (its engine abort queued behind a held step) when the
+    # same request id is re-driven here; the gateway then leaves, and its abort finds the
+    # earlier release still running: the re-drive must not reserve blocks nobody frees
+    channel, sender = _connect(worker)
+
+    async def main():
+        assert await worker.reserve("r1", PROMPT, PARAMS, 0, "r1#0") is not None
+        gate = threading.Event()
+        worker.loop.submit(lambda e: gate.wait(30))
+        first = asyncio.ensure_future(worker.abort("r1"))
+        await asyncio.sleep(0.05)
+        redrive = asyncio.ensure_future(worker.reserve("r1", PROMPT, PARAMS, 0, "r1#1"))
+        await asyncio.sleep(0.05)
+        left = asyncio.ensure_future(worker.abort("r1"))
+        await asyncio.sleep(0.05)
+        gate.set()
+        await asyncio.gather(first, left)
+        with pytest.raises(TransferFailedError, match="before its reservation"):
+            await redrive
+    asyncio.run(main())
+    assert _all_free(worker)
     sender.close()
