@@ -171,10 +171,13 @@ class DecodeWorker(EngineWorker):
 
     async def cancel(self, request_id: str) -> None:
         """Give up a reservation: stop writes into its blocks, then free them."""
-        await asyncio.shield(self._end(request_id))
+        await self.abort(request_id)
 
     async def abort(self, request_id: str) -> None:
-        """Stop a request wherever it is; a stream waiting on it ends with ``abort``."""
+        """Stop a request wherever it is, a call of it still waiting for an earlier release
+        of the id (``_settled``) included; a stream waiting on it ends with ``abort``."""
+        for waiter in self._settling.get(request_id, ()):
+            waiter.ended = True  # the gateway's abort comes after that call, never before
         await asyncio.shield(self._end(request_id))
 
     # -- token feeds: every request of a subscriber streamed through one call -----
@@ -261,10 +264,7 @@ class DecodeWorker(EngineWorker):
 
     # -- one release path ---------------------------------------------------------
     def _end(self, request_id: str) -> asyncio.Task:
-        """The request's release task: started once, awaited by every caller. Calls still
-        waiting for an earlier release of the id (``_settled``) are ended with it."""
-        for waiter in self._settling.get(request_id, ()):
-            waiter.ended = True
+        """The request's release task: started once, awaited by every caller."""
         task = self._ending.get(request_id)
         if task is None:
             task = asyncio.ensure_future(self._release(request_id))
@@ -295,8 +295,9 @@ class DecodeWorker(EngineWorker):
 
     async def _settled(self, request_id: str) -> bool:
         """Wait for an earlier release of the same request id (a re-drive to this worker);
-        False when the request was ended again meanwhile (its gateway left, and that abort
-        found the earlier release still running)."""
+        False when the gateway aborted the request meanwhile (that abort found the earlier
+        release still running). The ends of the earlier attempt itself (its start failing,
+        its feed dropped) do not count."""
         ending = self._ending.get(request_id)
         if ending is None:
             return True

@@ -213,3 +213,26 @@ def test_an_abort_during_a_redrives_wait_for_the_earlier_release_ends_the_redriv
     asyncio.run(main())
     assert _all_free(worker)
     sender.close()
+
+
+def test_the_earlier_attempts_own_end_does_not_end_a_waiting_redrive(worker):
+    # the earlier attempt ending itself (its start failing, its feed dropped) while the
+    # re-drive waits for its release: the re-drive reserves once that release is done
+    channel, sender = _connect(worker)
+
+    async def main():
+        assert await worker.reserve("r2", PROMPT, PARAMS, 0, "r2#0") is not None
+        gate = threading.Event()
+        worker.loop.submit(lambda e: gate.wait(30))
+        first = asyncio.ensure_future(worker.abort("r2"))
+        await asyncio.sleep(0.05)
+        redrive = asyncio.ensure_future(worker.reserve("r2", PROMPT, PARAMS, 0, "r2#1"))
+        await asyncio.sleep(0.05)
+        own = asyncio.ensure_future(asyncio.shield(worker._end("r2")))
+        gate.set()
+        await asyncio.gather(first, own)
+        assert (await redrive) is not None
+        await worker.abort("r2")
+    asyncio.run(main())
+    assert _all_free(worker)
+    sender.close()
