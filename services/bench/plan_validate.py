@@ -32,7 +32,7 @@ class Measured:
 
     result: dict[str, Any]  # as `tandem bench serve` writes it
     background_cores: float  # other processes' CPU meanwhile
-    idle_cores: float | None  # the server's own CPU at rest (load polls, Ray): paid at any rate
+    idle_cores: float  # the server's own CPU at rest (load polls, Ray): paid at any rate
     frontend_s_per_token: float | None  # the gateway's and the client's CPU per streamed token
     path_s_per_token: float | None  # the whole request path's, less the idle CPU over the sweep
 
@@ -73,8 +73,7 @@ def validate(args: argparse.Namespace, prof: dict[str, Any], mixes: list[Any], p
             print(f"{mix.label} NOT measured: {e}", flush=True)
             rows.append({"mix": mix.label, "failed": str(e).splitlines()[0]})
             continue
-        result = got.result
-        idle = got.idle_cores if got.idle_cores is not None else hw.server_idle_cores
+        result, idle = got.result, got.idle_cores
         frontend = got.frontend_s_per_token if got.frontend_s_per_token is not None else hw.frontend_s_per_token
         # the whole request path (gateway, client, Ray, the workers outside their engine
         # steps) as the frontend's per-token CPU, the server's CPU at rest as background:
