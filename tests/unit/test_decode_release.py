@@ -190,24 +190,31 @@ def test_a_transfer_that_times_out_releases_and_a_redrive_of_the_same_id_works(w
     sender.close()
 
 
+async def _redrive_waiting_for_release(worker, rid: str, then) -> tuple[asyncio.Future, asyncio.Future]:
+    """Attempt 0 of ``rid`` reserved, then being released (its engine abort queued behind a
+    held step) when the same id is re-driven here; ``then()`` runs while the re-drive waits,
+    then the step is let go. Returns the re-drive's reserve and ``then``'s future."""
+    assert await worker.reserve(rid, PROMPT, PARAMS, 0, f"{rid}#0") is not None
+    gate = threading.Event()
+    worker.loop.submit(lambda e: gate.wait(30))
+    first = asyncio.ensure_future(worker.abort(rid))
+    await asyncio.sleep(0.05)
+    redrive = asyncio.ensure_future(worker.reserve(rid, PROMPT, PARAMS, 0, f"{rid}#1"))
+    await asyncio.sleep(0.05)
+    during = asyncio.ensure_future(then())
+    await asyncio.sleep(0.05)
+    gate.set()
+    await asyncio.gather(first, during)
+    return redrive, during
+
+
 def test_an_abort_during_a_redrives_wait_for_the_earlier_release_ends_the_redrive_too(worker):
-    # attempt 0 is being released (its engine abort queued behind a held step) when the
-    # same request id is re-driven here; the gateway then leaves, and its abort finds the
-    # earlier release still running: the re-drive must not reserve blocks nobody frees
+    # the gateway leaves while the re-drive waits, and its abort finds the earlier release
+    # still running: the re-drive must not reserve blocks nobody frees
     channel, sender = _connect(worker)
 
     async def main():
-        assert await worker.reserve("r1", PROMPT, PARAMS, 0, "r1#0") is not None
-        gate = threading.Event()
-        worker.loop.submit(lambda e: gate.wait(30))
-        first = asyncio.ensure_future(worker.abort("r1"))
-        await asyncio.sleep(0.05)
-        redrive = asyncio.ensure_future(worker.reserve("r1", PROMPT, PARAMS, 0, "r1#1"))
-        await asyncio.sleep(0.05)
-        left = asyncio.ensure_future(worker.abort("r1"))
-        await asyncio.sleep(0.05)
-        gate.set()
-        await asyncio.gather(first, left)
+        redrive, _ = await _redrive_waiting_for_release(worker, "r1", lambda: worker.abort("r1"))
         with pytest.raises(TransferFailedError, match="before its reservation"):
             await redrive
     asyncio.run(main())
@@ -217,20 +224,11 @@ def test_an_abort_during_a_redrives_wait_for_the_earlier_release_ends_the_redriv
 
 def test_the_earlier_attempts_own_end_does_not_end_a_waiting_redrive(worker):
     # the earlier attempt ending itself (its start failing, its feed dropped) while the
-    # re-drive waits for its release: the re-drive reserves once that release is done
+    # re-drive waits: the re-drive reserves once that release is done
     channel, sender = _connect(worker)
 
     async def main():
-        assert await worker.reserve("r2", PROMPT, PARAMS, 0, "r2#0") is not None
-        gate = threading.Event()
-        worker.loop.submit(lambda e: gate.wait(30))
-        first = asyncio.ensure_future(worker.abort("r2"))
-        await asyncio.sleep(0.05)
-        redrive = asyncio.ensure_future(worker.reserve("r2", PROMPT, PARAMS, 0, "r2#1"))
-        await asyncio.sleep(0.05)
-        own = asyncio.ensure_future(asyncio.shield(worker._end("r2")))
-        gate.set()
-        await asyncio.gather(first, own)
+        redrive, _ = await _redrive_waiting_for_release(worker, "r2", lambda: asyncio.shield(worker._end("r2")))
         assert (await redrive) is not None
         await worker.abort("r2")
     asyncio.run(main())
