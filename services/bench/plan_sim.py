@@ -16,9 +16,9 @@ What it models, and from where:
   all of it;
 - CPU contention: every busy worker wants ``threads`` cores, a frontend (gateway, load
   generator) wants one core while it has per-token work, a background wants
-  ``background_cores`` plus the server's own CPU at rest (``server_idle_cores``); the cores are shared by weight (Linux CFS: nice ``n`` weighs
-  ``1.25**-n``), no thread faster than one core (processor sharing, re-divided at each
-  event). The frontend's per-token work stands for the whole request path outside the
+  ``background_cores`` plus the server's own CPU at rest (``server_idle_cores``); the
+  cores are shared by weight (Linux CFS: nice ``n`` weighs ``1.25**-n``), no thread
+  faster than one core (processor sharing, re-divided at each event). The frontend's per-token work stands for the whole request path outside the
   engine steps (gateway, load generator, Ray's calls and streams, KV send/receive threads),
   one cost per streamed token.
 
