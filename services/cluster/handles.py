@@ -165,12 +165,6 @@ class RayDecode(RayWorker):
             reader = self._readers[loop] = FeedReader(self.actor, self.worker_id, self._translate)
         return reader
 
-    async def cancel(self, request_id: str) -> None:
-        try:
-            await _within(_quiet(self.actor.cancel).remote(request_id), CLEANUP_TIMEOUT_S)
-        finally:
-            self.active.discard(request_id)
-
     async def abort(self, request_id: str) -> None:
         try:
             await _within(_quiet(self.actor.abort).remote(request_id), CLEANUP_TIMEOUT_S)

@@ -52,7 +52,7 @@ class DecodeWorker(EngineWorker):
     takes them (RESERVED in the scheduler) and registers the transfer; the
     transfer ends DONE (the request joins the batch) or is aborted, after which
     no write into the blocks is in flight and later groups are drained; only
-    then are the blocks freed. Every way a request ends (``cancel``, ``abort``,
+    then are the blocks freed. Every way a request ends (``abort``,
     its feed closed at any point, a failed or timed-out transfer, cancellation
     during ``reserve``) goes through :meth:`_end`, one task per request that
     later callers await.
@@ -169,10 +169,6 @@ class DecodeWorker(EngineWorker):
             return None, None
         return blocks, self.sync.record_event(self.sync.current_stream())
 
-    async def cancel(self, request_id: str) -> None:
-        """Give up a reservation: stop writes into its blocks, then free them."""
-        await self.abort(request_id)
-
     async def abort(self, request_id: str) -> None:
         """Stop a request wherever it is, a call of it still waiting for an earlier release
         of the id (``_settled``) included; a stream waiting on it ends with ``abort``."""
@@ -247,7 +243,7 @@ class DecodeWorker(EngineWorker):
         tid, receiver = entry
         pt = await asyncio.to_thread(receiver.wait, tid, self.transfer_timeout_s)
         if self._transfers.get(rid) != entry or rid in self._ending:
-            # ended meanwhile (abort, cancel): the release path owns the blocks now
+            # ended meanwhile (an abort): the release path owns the blocks now
             raise TransferFailedError(f"{rid}: ended on {self.worker_id} while its KV arrived")
         if pt.status != TransferStatus.DONE:
             self.transfer_failures += 1

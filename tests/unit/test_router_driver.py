@@ -50,9 +50,6 @@ class Worker:
     async def abort(self, rid: str) -> None:
         self.aborted.append(rid)
 
-    async def cancel(self, rid: str) -> None:
-        self.aborted.append(rid)
-
 
 def _cluster(**driver_kw):
     p, d1, d2 = Worker("p0", "prefill"), Worker("d0", "decode"), Worker("d1", "decode")
