@@ -1,9 +1,11 @@
 """CPU contention in ``tandem plan``'s simulation: workers, the frontend and other processes
-share the cores by weight (Linux CFS), no thread faster than one core."""
+share the cores by weight (Linux CFS), no thread faster than one core; threads either
+placed on whole cores (``CorePlacement``) or spread over all of them (``share_cores``)."""
 
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -23,6 +25,12 @@ class Hardware:
     # what a served worker's step takes longer per token it emits than the profiled step
     # (its outputs handed to the token feed, its Ray threads holding the GIL meanwhile)
     step_s_per_token: float = 0.0
+    # a request's way from the client to its worker and its tokens' way back, at rest
+    # (HTTP, routing, Ray calls), beyond the CPU it spends: every token is that much later
+    request_latency_s: float = 0.0
+    # threads placed on whole cores (``CorePlacement``); False, or a fractional ``cores``:
+    # every busy thread gets an equal share of all the cores (fluid processor sharing)
+    whole_cores: bool = True
 
     @property
     def outside_workers_s_per_token(self) -> float:
@@ -64,3 +72,73 @@ def share_cores(jobs: Sequence[Job], cores: float) -> None:
 def nice_weight(nice: int) -> float:
     """Linux CFS: each niceness step is ~1.25x less CPU weight."""
     return 1.25 ** -nice
+
+
+class CorePlacement:
+    """Whole threads on whole cores, placed roughly as Linux's scheduler places them.
+
+    A thread that starts work goes to a core with the fewest threads (ties at random, from
+    ``seed``); it stays there while it works, except that when two cores' counts differ by
+    two or more a thread moves from the fullest to the emptiest (idle balancing). So three
+    busy threads on two cores run as two sharing one core and one alone, not as three at 2/3
+    each: the same mean, but whoever shares gets half a core for as long as both work, which
+    is what stretches a decode step's tail. Each core is shared by weight among its threads
+    and an even slice of the background (fluid); a job of several threads (one per core)
+    runs at its slowest thread's share (its parallel regions end at a barrier).
+    """
+
+    def __init__(self, cores: int, seed: int = 0) -> None:
+        if cores < 1:
+            raise ValueError("whole-core placement needs at least one core")
+        self.threads_on: list[list[int]] = [[] for _ in range(cores)]  # per core: id(job) per thread
+        self.cores_of: dict[int, list[int]] = {}  # id(job) -> the core of each of its threads
+        self.rng = random.Random(seed)
+
+    def share(self, jobs: Sequence[Job], background: Job) -> None:
+        """Place ``jobs``' threads (``threads`` rounded up, at most one per core), then set every
+        job's ``rate`` and the background's (``threads``: the cores it wants, fluid)."""
+        n = len(self.threads_on)
+        wanted = {id(j): min(n, math.ceil(j.threads - 1e-9)) if j.threads > 0 else 0 for j in jobs}
+        for jid, cores in list(self.cores_of.items()):
+            while len(cores) > wanted.get(jid, 0):
+                self.threads_on[cores.pop()].remove(jid)
+            if not cores:
+                del self.cores_of[jid]
+        for j in jobs:
+            have = self.cores_of.setdefault(id(j), [])
+            while len(have) < wanted[id(j)]:
+                free = [c for c in range(n) if c not in have]
+                fewest = min(len(self.threads_on[c]) for c in free)
+                c = self.rng.choice([c for c in free if len(self.threads_on[c]) == fewest])
+                have.append(c)
+                self.threads_on[c].append(id(j))
+            if not have:
+                del self.cores_of[id(j)]
+        self._balance()
+        by_id = {id(j): j for j in jobs}
+        shares: dict[int, list[float]] = {}
+        background.rate = 0.0
+        for on_core in self.threads_on:
+            slices = [Job(1.0, by_id[jid].weight) for jid in on_core]
+            bg = Job(background.threads / n, background.weight)
+            share_cores([*slices, bg], 1.0)
+            for jid, s in zip(on_core, slices):
+                shares.setdefault(jid, []).append(s.rate)
+            background.rate += bg.rate / n
+        for j in jobs:
+            j.rate = min(shares.get(id(j), [0.0]))
+
+    def _balance(self) -> None:
+        while True:
+            counts = [len(t) for t in self.threads_on]
+            hi, lo = counts.index(max(counts)), counts.index(min(counts))
+            if counts[hi] - counts[lo] < 2:
+                return
+            movable = [jid for jid in self.threads_on[hi] if lo not in self.cores_of[jid]]
+            if not movable:
+                return
+            jid = self.rng.choice(movable)
+            self.threads_on[hi].remove(jid)
+            self.threads_on[lo].append(jid)
+            cores = self.cores_of[jid]
+            cores[cores.index(hi)] = lo

@@ -122,6 +122,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "meanwhile. 0.3: decode steps of a 1P+1D server at batch 16 and 32 (`tandem bench serve "
                    "--rates inf --num-prompts N`: 37.3 and 57.0 ms between tokens) against the profile's "
                    "31.8 and 48.3 ms")
+    p.add_argument("--request-latency-ms", type=float, default=15.0,
+                   help="a request's latency through the request path at rest, beyond its CPU (HTTP, routing, "
+                   "Ray's calls there and back): every token reaches the client that much later. 15: an idle "
+                   "1P+1D server's TTFT against the profile's prefill time on a 2-core x86 host (46.9 vs 32.4 ms "
+                   "at 32 prompt tokens, 168 vs 152 ms at 256)")
+    p.add_argument("--cpu-sharing", choices=("placed", "fluid"), default="placed",
+                   help="placed: each busy thread on one core, as Linux places them (three threads on two "
+                   "cores: two share one); fluid: every busy thread an equal share of all the cores")
     p.add_argument("--repeats", type=int, default=3, help="request sequences simulated per rate (seeds "
                    "SEED, SEED+1, ...; the first is the one `tandem bench serve` sends)")
     p.add_argument("--helm-values", default=None, metavar="FILE", help="write the recommended mix's replicas "
@@ -211,7 +219,8 @@ def main(args: argparse.Namespace) -> int:
     if args.repeats < 1 or threads < 1 or cores <= 0:
         raise ValueError("--repeats, --threads-per-worker and --cores must be positive")
     hw = Hardware(cores, threads, args.prefill_nice, args.background_cores, args.server_idle_cores,
-                  args.frontend_ms_per_token / 1e3, args.step_ms_per_token / 1e3)
+                  args.frontend_ms_per_token / 1e3, args.step_ms_per_token / 1e3,
+                  request_latency_s=args.request_latency_ms / 1e3, whole_cores=args.cpu_sharing == "placed")
     max_workers = args.max_workers or (8 if on_gpu else max(2, int(2 * cores // threads)))
     mixes = [Mix.parse(m) for m in args.mixes.split(",")] if args.mixes else all_mixes(max_workers)
     if "transfer" not in prof["fit"] and any(not m.colocated for m in mixes):

@@ -15,17 +15,25 @@ What it models, and from where:
   transfer time of its bytes, which then decodes tokens 2..n; colocated: one worker does
   all of it;
 - CPU contention: every busy worker wants ``threads`` cores, a frontend (gateway, load
-  generator) wants one core while it has per-token work, a background wants
-  ``background_cores`` plus the server's own CPU at rest (``server_idle_cores``); the
-  cores are shared by weight (Linux CFS: nice ``n`` weighs ``1.25**-n``), no thread
-  faster than one core (processor sharing, re-divided at each event). The frontend's per-token work stands for the whole request path outside the
-  engine steps (gateway, load generator, Ray's calls and streams, KV send/receive threads),
-  one cost per streamed token.
+  generator) wants one core while it has tokens to pass on, a background wants
+  ``background_cores`` plus the server's own CPU at rest (``server_idle_cores``); each
+  busy thread sits on one core as Linux places it (``cpu_share.CorePlacement``: three
+  threads on two cores run as two sharing one and one alone) or, with ``whole_cores``
+  off, all share all the cores (processor sharing); a core is shared by weight (Linux CFS:
+  nice ``n`` weighs ``1.25**-n``), re-divided at each event;
+- the request path: the frontend passes each step's tokens on in order, at its per-token
+  CPU cost and its share of a core (a token reaches the client when it is through), and
+  every request reaches its worker ``request_latency_s`` after it was sent (the path's
+  latency at rest: HTTP, routing, Ray's calls). The per-token cost stands for the whole
+  path outside the engine steps (gateway, load generator, Ray's calls and streams, KV
+  send/receive threads).
 
 Not modelled: preemption (KV blocks are assumed to suffice), prefix-cache hits, the
 network between gateway and workers, the request path's per-request and per-prompt-token
-costs (folded into the per-token one), Python and Ray latencies beyond that CPU and the
-per-token step cost.
+CPU (folded into the per-token one), scheduling delays of the path's threads beyond
+their CPU share (under load its latency grows: ~15 ms at rest, 50-100 ms more TTFT than
+simulated on chat at 2 req/s with three workers on two cores), threads waiting for each
+other's GIL.
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.bench.cpu_share import Hardware, Job, nice_weight, share_cores
+from services.bench.cpu_share import CorePlacement, Hardware, Job, nice_weight, share_cores
 from services.bench.perf_model import StepModel, TransferModel, attention_pairs
 from services.router.config import RouterConfig
 from services.router.errors import ClusterFullError, PromptTooLargeError
@@ -77,7 +85,8 @@ class _Seq:
     prefill_left: int
     tokens: int = 0  # tokens whose KV this worker holds (prompt computed so far, then outputs)
     out_left: int = 0
-    first_token_t: float | None = None
+    emitted: int = 0  # tokens its worker produced so far
+    finished: bool = False  # its worker produced the last one
     decode_worker: SimWorker | None = None  # disaggregated: where its KV goes
 
 
@@ -163,7 +172,11 @@ class Simulation:
             self._add(SimWorker(f"decode-{i}", BOTH if colocated else DECODE, engine, steps, Job(0, 1.0),
                                 hardware.step_s_per_token))
         self.frontend = Job(0, 1.0)
+        # tokens on their way to the client, one item per worker step: [CPU seconds left, seqs]
+        self.deliveries: deque[list] = deque()
         self.background = Job(hardware.background_cores + hardware.server_idle_cores, 1.0, math.inf)
+        whole = hardware.whole_cores and float(hardware.cores).is_integer()
+        self.placement = CorePlacement(int(hardware.cores)) if whole else None
         self.now = 0.0
         self._events: list[tuple[float, int, str, Any]] = []
         self._n = 0
@@ -181,7 +194,7 @@ class Simulation:
         heapq.heappush(self._events, (t, self._n, kind, payload))
 
     # -- events ---------------------------------------------------------------------
-    def _arrive(self, i: int) -> None:
+    def _route(self, i: int) -> None:
         req = self.requests[i]
         rid = f"r{i}"
         try:
@@ -205,18 +218,32 @@ class Simulation:
         seq.prefill_left, seq.tokens = 0, len(seq.req.prompt)
         dec.running.append(seq)
 
-    def _token(self, seq: _Seq) -> None:
-        self.token_times.setdefault(seq.index, []).append(self.now)
-        self.frontend.remaining += self.hw.outside_workers_s_per_token
+    def _send(self, seqs: list[_Seq]) -> None:
+        """One step's tokens enter the request path (FIFO, at the frontend's CPU share)."""
+        if not seqs:
+            return
+        work = self.hw.outside_workers_s_per_token * len(seqs)
+        if work <= EPS:
+            self._deliver(seqs)
+            return
+        self.deliveries.append([work, seqs])
+        self.frontend.remaining += work
+
+    def _deliver(self, seqs: list[_Seq]) -> None:
+        for s in seqs:
+            times = self.token_times.setdefault(s.index, [])
+            times.append(self.now)
+            if s.finished and len(times) == s.emitted:
+                self._record(s)
 
     def _finish_step(self, w: SimWorker) -> None:
         decodes, chunks = w.step  # type: ignore[misc]
         w.step = None
         self.num_steps += 1
+        emitted: list[_Seq] = []
         for s in decodes:
             s.tokens += 1
-            s.out_left -= 1
-            self._token(s)
+            self._emit(s, emitted)
             if s.out_left == 0:
                 w.running.remove(s)
                 self._done(s)
@@ -225,9 +252,7 @@ class Simulation:
             s.tokens += n
             if s.prefill_left:
                 continue
-            s.first_token_t = self.now
-            s.out_left -= 1
-            self._token(s)
+            self._emit(s, emitted)
             self.router.prefill_done(s.rid)
             if w.role == PREFILL:
                 w.running.remove(s)
@@ -240,9 +265,20 @@ class Simulation:
             elif s.out_left == 0:
                 w.running.remove(s)
                 self._done(s)
+        self._send(emitted)
+
+    @staticmethod
+    def _emit(s: _Seq, emitted: list[_Seq]) -> None:
+        s.out_left -= 1
+        s.emitted += 1
+        emitted.append(s)
 
     def _done(self, s: _Seq) -> None:
+        """Its worker produced the last token (the client has it once the request path delivers it)."""
         self.router.complete(s.rid)
+        s.finished = True
+
+    def _record(self, s: _Seq) -> None:
         times = self.token_times.pop(s.index)
         out = len(times)
         ttft, e2e = times[0] - s.req.arrival, times[-1] - s.req.arrival
@@ -261,7 +297,7 @@ class Simulation:
     def run(self, max_time_s: float = math.inf) -> SimResult:
         """Simulate until every request finished (or ``max_time_s``: the rest fail as ``deadline``)."""
         for i, r in enumerate(self.requests):
-            self._push(r.arrival, "arrive", i)
+            self._push(r.arrival + self.hw.request_latency_s, "route", i)
         jobs = [w.job for w in self.workers.values()]
         all_jobs = [*jobs, self.frontend, self.background]
         while True:
@@ -270,7 +306,10 @@ class Simulation:
                     if w.step is None and w.start_step():
                         w.job.threads = self.hw.threads
             self.frontend.threads = 1.0 if self.frontend.remaining > EPS else 0.0
-            share_cores(all_jobs, self.hw.cores)
+            if self.placement is not None:
+                self.placement.share([*jobs, self.frontend], self.background)
+            else:
+                share_cores(all_jobs, self.hw.cores)
             busy = [w for w in self.workers.values() if w.step is not None]
             t_step, first = math.inf, None
             for w in busy:
@@ -281,7 +320,7 @@ class Simulation:
                     t_step, first = t, w
             t_event = self._events[0][0] if self._events else math.inf
             if self.frontend.threads and self.frontend.rate > 0:
-                t_front = self.now + self.frontend.remaining / self.frontend.rate
+                t_front = self.now + self.deliveries[0][0] / self.frontend.rate
             else:
                 t_front = math.inf
             t_next = min(t_step, t_event, t_front)
@@ -292,16 +331,21 @@ class Simulation:
                 w.job.remaining -= dt * w.job.rate
                 self.busy[w.worker_id] += dt
             if self.frontend.threads:
+                self.deliveries[0][0] -= dt * self.frontend.rate
                 self.frontend.remaining = max(0.0, self.frontend.remaining - dt * self.frontend.rate)
             self.now = t_next
-            if t_step == t_next and first is not None:
+            if t_front == t_next:
+                _, seqs = self.deliveries.popleft()
+                self.frontend.remaining = sum(d[0] for d in self.deliveries)
+                self._deliver(seqs)
+            elif t_step == t_next and first is not None:
                 first.job.remaining = 0.0
                 first.job.threads = 0
                 self._finish_step(first)
             elif t_event == t_next:
                 _, _, kind, payload = heapq.heappop(self._events)
-                if kind == "arrive":
-                    self._arrive(payload)
+                if kind == "route":
+                    self._route(payload)
                 else:
                     self._kv_arrived(payload)
         for i, rec in enumerate(self.records):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from services.bench.perf_model import DecodeModel, PrefillModel, StepModel, TransferModel
-from services.bench.cpu_share import Hardware, Job, nice_weight, share_cores
+from services.bench.cpu_share import CorePlacement, Hardware, Job, nice_weight, share_cores
 from services.bench.plan_sim import Engine, SimRequest, Simulation
 
 KV_BYTES = 1000  # per token
@@ -18,10 +18,10 @@ def steps(prefill_s: float = 0.1, per_token: float = 0.0, decode_base: float = 0
 
 
 def simulate(requests, *, prefill=1, decode=1, colocated=False, model=None, cores=8.0, budget=2048,
-             transfer=TransferModel(0.005, 1e-6), threads=1, prefill_nice=0, step_s_per_token=0.0):
+             transfer=TransferModel(0.005, 1e-6), threads=1, prefill_nice=0, step_s_per_token=0.0, **hw):
     sim = Simulation(requests, prefill=prefill, decode=decode, colocated=colocated, steps=model or steps(),
                      transfer=transfer, engine=Engine(budget, 256, 16, 100_000, KV_BYTES),
-                     hardware=Hardware(cores, threads, prefill_nice, step_s_per_token=step_s_per_token))
+                     hardware=Hardware(cores, threads, prefill_nice, step_s_per_token=step_s_per_token, **hw))
     return sim.run().records
 
 
@@ -92,6 +92,54 @@ def test_workers_sharing_a_core_run_at_half_speed():
     slow = simulate(two, decode=2, colocated=True, model=steps(prefill_s=0.1), cores=1)
     assert [r["ttft_s"] for r in fast] == pytest.approx([0.1, 0.1])
     assert [r["ttft_s"] for r in slow] == pytest.approx([0.2, 0.2])
+
+
+def test_three_workers_on_two_cores_run_as_two_sharing_one():
+    # placed (as Linux does): the prompt alone on its core finishes after D, the two sharing
+    # the other have done D/2 each by then and take a core each: done at 1.5D; fluid: all
+    # three at 2/3 speed, done at 1.5D
+    three = [req(0.0, 16, 1, i) for i in range(3)]
+    placed = simulate(three, decode=3, colocated=True, model=steps(prefill_s=0.1), cores=2)
+    fluid = simulate(three, decode=3, colocated=True, model=steps(prefill_s=0.1), cores=2, whole_cores=False)
+    assert sorted(r["ttft_s"] for r in placed) == pytest.approx([0.1, 0.15, 0.15])
+    assert [r["ttft_s"] for r in fluid] == pytest.approx([0.15, 0.15, 0.15])
+
+
+def test_core_placement_shares_a_core_then_rebalances():
+    cpu = CorePlacement(2, seed=3)
+    a, b, c, bg = Job(1, 1.0), Job(1, 1.0), Job(1, 1.0), Job(0, 1.0)
+    cpu.share([a, b, c], bg)
+    assert sorted([a.rate, b.rate, c.rate]) == pytest.approx([0.5, 0.5, 1.0])
+    alone = next(j for j in (a, b, c) if j.rate == 1.0)
+    alone.threads = 0  # the one alone goes idle: the two sharing spread over both cores
+    cpu.share([a, b, c], bg)
+    assert sorted([a.rate, b.rate, c.rate]) == pytest.approx([0.0, 1.0, 1.0])
+    wide = Job(2, 1.0)  # a job of two threads (one per core) runs at its slowest thread's share
+    cpu.share([a, b, c, wide], bg)
+    assert wide.rate == pytest.approx(0.5)
+    for j in (a, b, c):
+        j.threads = 0
+    bg.threads = 1.0  # a background of one core is half of each core: a lone thread gets 2/3 of its core
+    cpu.share([a, b, c, wide], bg)
+    assert wide.rate == pytest.approx(2 / 3)
+    assert bg.rate == pytest.approx(2 / 3)  # of the one core it wants: a third of each core
+
+
+def test_tokens_reach_the_client_through_the_request_path():
+    # 8 first tokens of one prefill step pass the frontend in one item (8 x 1 ms of its CPU),
+    # every request 5 ms later than sent; later steps' tokens queue behind earlier ones
+    model = steps(prefill_s=0.3, decode_base=0.01)
+    recs = simulate([req(0.0, 32, 3, i) for i in range(8)], decode=1, colocated=True, model=model,
+                    frontend_s_per_token=0.001, request_latency_s=0.005)
+    for r in recs:
+        assert r["ttft_s"] == pytest.approx(0.005 + 0.3 + 0.008)
+        assert r["e2e_s"] == pytest.approx(0.005 + 0.3 + 2 * 0.01 + 0.008)  # the path keeps up
+        assert r["output_tokens"] == 3
+    slow_path = simulate([req(0.0, 32, 3, i) for i in range(8)], decode=1, colocated=True, model=model,
+                         frontend_s_per_token=0.002)
+    # 16 ms per item against a 10 ms step: the third item waits for the second, which waited
+    # for the first
+    assert slow_path[0]["e2e_s"] == pytest.approx(0.3 + 3 * 0.016)
 
 
 def test_share_cores_caps_threads_and_weighs_niceness():
