@@ -131,7 +131,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="placed: each busy thread on one core, as Linux places them (three threads on two "
                    "cores: two share one); fluid: every busy thread an equal share of all the cores")
     p.add_argument("--repeats", type=int, default=3, help="request sequences simulated per rate (seeds "
-                   "SEED, SEED+1, ...; the first is the one `tandem bench serve` sends)")
+                   "SEED, SEED+1, ...; the first is the one `tandem bench serve` sends), pooled; `--validate` "
+                   "sweeps each mix with every one of them and pools them the same way")
     p.add_argument("--helm-values", default=None, metavar="FILE", help="write the recommended mix's replicas "
                    "as a values file for the chart")
     p.add_argument("--validate", action="store_true", help="also measure each mix with real servers "

@@ -1,8 +1,9 @@
 """``tandem plan --validate``: the plan's predictions against real servers on this machine.
 
 Each mix is started as ``tandem bench compare`` starts a system (``tandem serve`` in a
-subprocess, stopped before the next) and swept with the same request sequence, rates
-and SLO the plan simulated; prints predicted vs measured goodput with the error, and
+subprocess, stopped before the next) and swept with the same request sequences, rates
+and SLO the plan simulated (one sweep per ``--repeats`` seed, pooled per rate as the
+simulation pools them); prints predicted vs measured goodput with the error, and
 whether the plan's recommendation is the measured best (the same rule applied to the
 measured attainment).
 """
@@ -20,6 +21,7 @@ from typing import Any
 
 from services.bench import runinfo
 from services.bench import serve as serve_bench
+from services.bench.metrics_math import SLO, goodput, summarize
 from services.cluster.telemetry import DEFAULT_INTERVAL_S
 
 TELEMETRY_WAIT_S = DEFAULT_INTERVAL_S + 0.5
@@ -54,8 +56,11 @@ def validate(args: argparse.Namespace, prof: dict[str, Any], mixes: list[Any], p
 
     signal.signal(signal.SIGTERM, on_sigterm)
     model = prof["model"]["path"]
-    bench_args = argparse.Namespace(**{**vars(args), "tokenizer": args.tokenizer or model})
-    wl = dataclasses.replace(serve_bench.plan(bench_args), rates=rates)
+    sweeps = []  # (workload, its args) per simulated sequence: seeds SEED, SEED+1, ...
+    for k in range(args.repeats):
+        bench_args = argparse.Namespace(**{**vars(args), "tokenizer": args.tokenizer or model, "seed": args.seed + k})
+        sweeps.append((dataclasses.replace(serve_bench.plan(bench_args), rates=rates), bench_args))
+    wl = sweeps[0][0]
     threads = args.threads_per_worker or prof["worker"]["threads_per_worker"]
     extra = list(args.server_arg) + ([f"--prefill-nice={args.prefill_nice}"] if args.prefill_nice else [])
     measured, loaded, rows = [], [], []
@@ -68,7 +73,7 @@ def validate(args: argparse.Namespace, prof: dict[str, Any], mixes: list[Any], p
                               startup_timeout_s=args.startup_timeout)
         print(f"measuring {mix.label}: {' '.join(server.argv[3:])}", flush=True)
         try:
-            got = _measure(server, wl, bench_args, mix.label, model)
+            got = _measure(server, sweeps, mix.label, model)
         except RuntimeError as e:  # e.g. it could not start (the log's tail is in the message)
             print(f"{mix.label} NOT measured: {e}", flush=True)
             rows.append({"mix": mix.label, "failed": str(e).splitlines()[0]})
@@ -109,8 +114,9 @@ def validate(args: argparse.Namespace, prof: dict[str, Any], mixes: list[Any], p
     return out
 
 
-def _measure(server: Any, wl: Any, bench_args: argparse.Namespace, label: str, model: str) -> Measured:
-    """Sweep one started-here server. Its request path's CPU is the server's process tree
+def _measure(server: Any, sweeps: list[tuple[Any, argparse.Namespace]], label: str, model: str) -> Measured:
+    """Sweep one started-here server once per workload of ``sweeps`` (pooled per rate: ``pool``).
+    Its request path's CPU is the server's process tree
     (gateway, Ray, workers) plus the client, less the engine threads' step CPU the workers
     count and the tree's CPU at rest (measured for ``IDLE_S`` before the sweep) over the
     sweep's length."""
@@ -128,8 +134,13 @@ def _measure(server: Any, wl: Any, bench_args: argparse.Namespace, label: str, m
             engine_step_cpu(server.url)
         t0 = time.monotonic()
         with sampler:
-            result = serve_bench.sweep(server.url, server.served_model_name, wl, bench_args, label,
-                                       {**server.describe(), "model_path": model})
+            results = []
+            for k, (wl, bench_args) in enumerate(sweeps):
+                if k:
+                    time.sleep(bench_args.cooldown)
+                results.append(serve_bench.sweep(server.url, server.served_model_name, wl, bench_args, label,
+                                                 {**server.describe(), "model_path": model}))
+        result = pool(results, sweeps[0][0].slo)
         swept_s = time.monotonic() - t0
         gateway_cpu = (process_cpu_seconds(gateway_pid) or cpu0) - cpu0
         tree_cpu = tree_cpu_seconds(gateway_pid) - tree0
@@ -143,6 +154,24 @@ def _measure(server: Any, wl: Any, bench_args: argparse.Namespace, label: str, m
     path = None if steps0 is None or steps1 is None else \
         max(0.0, tree_cpu + client_cpu - (steps1 - steps0) - idle * swept_s) / tokens
     return Measured(result, bg, idle, (gateway_cpu + client_cpu) / tokens, path)
+
+
+def pool(results: list[dict[str, Any]], slo: SLO) -> dict[str, Any]:
+    """Sweeps of one server at the same rates as one result: each rate's requests pooled,
+    scored as one run (as the simulation pools its repeats)."""
+    if len(results) == 1:
+        return results[0]
+    runs = []
+    for per_rate in zip(*(r["runs"] for r in results)):
+        records = [rec for run in per_rate for rec in run["requests"]]
+        duration = sum(run["summary"]["duration_s"] for run in per_rate)
+        runs.append({**per_rate[0], "client_cpu_s": sum(run["client_cpu_s"] for run in per_rate),
+                     "summary": summarize(records, duration, slo), "requests": records,
+                     "sweeps": len(per_rate)})
+    good = goodput([(r["rate"], r["summary"]["attainment"]["both"]) for r in runs], slo.attainment)
+    config = {**results[0]["config"], "requests_per_rate": sum(r["config"]["requests_per_rate"] for r in results),
+              "seeds": [r["config"].get("seed") for r in results]}
+    return {**results[0], "config": config, "runs": runs, "goodput": good}
 
 
 def engine_step_cpu(url: str) -> float | None:

@@ -143,7 +143,7 @@ def test_plan_validate_measures_a_started_server_and_its_cpu(tiny_model_dir, tmp
     out = tmp_path / "plan"
     proc = subprocess.run([sys.executable, "-m", "services.cluster.cli", "plan", "--profile", str(path),
                            "--mixes", "colocatedx1", "--input-len", "16", "--output-len", "8", "--num-prompts", "6",
-                           "--rates", "4", "--slo-ttft-ms", "3000", "--slo-tpot-ms", "500", "--repeats", "1",
+                           "--rates", "4", "--slo-ttft-ms", "3000", "--slo-tpot-ms", "500", "--repeats", "2",
                            "--validate", "--no-plots", "--out-dir", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode in (0, 1), proc.stdout + proc.stderr
@@ -155,3 +155,8 @@ def test_plan_validate_measures_a_started_server_and_its_cpu(tiny_model_dir, tmp
     assert row["request_path_ms_per_token"] > 0 and 0.0 <= row["background_cores"] < 2.0
     assert [r["rate"] for r in row["predicted_runs"]] == [4.0] and "ttft_ms" in row["predicted_runs"][0]["summary"]
     assert "idle" in proc.stdout and "colocated×1" in proc.stdout
+    # both simulated sequences were measured, pooled per rate as the simulation pools them
+    measured = json.loads((out / "measured-colocated×1-results.json").read_text())
+    (run,) = measured["runs"]
+    assert len(run["requests"]) == 12 and run["summary"]["completed"] == 12 and run["sweeps"] == 2
+    assert len(set(measured["config"]["seeds"])) == 2

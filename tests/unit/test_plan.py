@@ -263,3 +263,33 @@ def test_tree_cpu_counts_descendants_and_idle_wait_waits_for_them():
         subprocess.run(["pkill", "-P", str(proc.pid)], check=False)  # the grandchild first
         proc.kill()
         proc.wait()
+
+
+def test_pooled_sweeps_score_each_rate_over_every_sequence():
+    """Two sweeps at 1 and 2 req/s: each rate's requests are scored together, so a rate one
+    sweep met and the other missed meets the SLO as often as the two together do."""
+    from services.bench.metrics_math import SLO, summarize
+    from services.bench.plan_validate import pool
+
+    slo = SLO(ttft_s=0.1, tpot_s=0.05, attainment=0.9)
+
+    def rec(ttft_s: float) -> dict:
+        return {"ok": True, "sent": True, "error": None, "ttft_s": ttft_s, "tpot_s": 0.01, "e2e_s": ttft_s + 0.1,
+                "itl_s": [0.01] * 10, "output_tokens": 11, "prompt_tokens": 8}
+
+    def sweep(seed: int, fast_at_2: int) -> dict:
+        runs = []
+        for rate, fast in ((1.0, 10), (2.0, fast_at_2)):
+            records = [rec(0.05)] * fast + [rec(0.5)] * (10 - fast)
+            runs.append({"rate": rate, "client_cpu_s": 0.5, "requests": records,
+                         "summary": summarize(records, 10.0, slo)})
+        return {"label": "x", "config": {"requests_per_rate": 10, "seed": seed}, "runs": runs}
+
+    pooled = pool([sweep(0, 10), sweep(1, 7)], slo)  # at 2 req/s: 100% and 70%, 85% together
+    assert [r["summary"]["requests"] for r in pooled["runs"]] == [20, 20]
+    assert [r["summary"]["attainment"]["both"] for r in pooled["runs"]] == pytest.approx([1.0, 0.85])
+    assert pooled["runs"][1]["client_cpu_s"] == 1.0 and pooled["runs"][1]["summary"]["duration_s"] == 20.0
+    assert pooled["config"]["requests_per_rate"] == 20 and pooled["config"]["seeds"] == [0, 1]
+    assert 1.0 <= pooled["goodput"]["interpolated_rps"] < 2.0
+    one = sweep(0, 10)
+    assert pool([one], slo) is one
