@@ -25,11 +25,11 @@ class Hardware:
     # what a served worker's step takes longer per token it emits than the profiled step
     # (its outputs handed to the token feed, its Ray threads holding the GIL meanwhile)
     step_s_per_token: float = 0.0
-    # a request's way from the client to its worker and its tokens' way back, at rest
-    # (HTTP, routing, Ray calls), beyond the CPU it spends: every token is that much later
+    # a request's latency through the request path at rest (HTTP, routing, Ray's calls
+    # there and back) beyond its CPU: the simulation routes it that much after it was sent
     request_latency_s: float = 0.0
-    # threads placed on whole cores (``CorePlacement``); False, or a fractional ``cores``:
-    # every busy thread gets an equal share of all the cores (fluid processor sharing)
+    # threads placed on whole cores (``CorePlacement``); False, or fractional or unbounded
+    # ``cores`` (GPU workers): every busy thread an equal share of all the cores (fluid)
     whole_cores: bool = True
 
     @property
@@ -125,8 +125,9 @@ class CorePlacement:
             for jid, s in zip(on_core, slices):
                 shares.setdefault(jid, []).append(s.rate)
             background.rate += bg.rate / n
-        for j in jobs:
-            j.rate = min(shares.get(id(j), [0.0]))
+        for j in jobs:  # threads beyond the cores run on the same ones: slower by as much
+            placed = len(self.cores_of.get(id(j), ()))
+            j.rate = min(shares[id(j)]) * placed / j.threads if placed else 0.0
 
     def _balance(self) -> None:
         while True:

@@ -122,14 +122,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "meanwhile. 0.3: decode steps of a 1P+1D server at batch 16 and 32 (`tandem bench serve "
                    "--rates inf --num-prompts N`: 37.3 and 57.0 ms between tokens) against the profile's "
                    "31.8 and 48.3 ms")
-    p.add_argument("--request-latency-ms", type=float, default=15.0,
+    p.add_argument("--request-latency-ms", type=float, default=14.0,
                    help="a request's latency through the request path at rest, beyond its CPU (HTTP, routing, "
-                   "Ray's calls there and back): every token reaches the client that much later. 15: an idle "
+                   "Ray's calls there and back): every token reaches the client that much later. 14: an idle "
                    "1P+1D server's TTFT against the profile's prefill time on a 2-core x86 host (46.9 vs 32.4 ms "
-                   "at 32 prompt tokens, 168 vs 152 ms at 256)")
+                   "at 32 prompt tokens, 168 vs 152 ms at 256), less the ~1 ms of the first token's path CPU and "
+                   "step cost that the simulation adds itself")
     p.add_argument("--cpu-sharing", choices=("placed", "fluid"), default="placed",
                    help="placed: each busy thread on one core, as Linux places them (three threads on two "
-                   "cores: two share one); fluid: every busy thread an equal share of all the cores")
+                   "cores: two share one); fluid: every busy thread an equal share of all the cores (always so "
+                   "for fractional --cores and GPU profiles)")
     p.add_argument("--repeats", type=int, default=3, help="request sequences simulated per rate (seeds "
                    "SEED, SEED+1, ...; the first is the one `tandem bench serve` sends), pooled; `--validate` "
                    "sweeps each mix with every one of them and pools them the same way")

@@ -223,11 +223,10 @@ class Simulation:
         if not seqs:
             return
         work = self.hw.outside_workers_s_per_token * len(seqs)
-        if work <= EPS:
+        if work <= EPS and not self.deliveries:
             self._deliver(seqs)
             return
         self.deliveries.append([work, seqs])
-        self.frontend.remaining += work
 
     def _deliver(self, seqs: list[_Seq]) -> None:
         for s in seqs:
@@ -240,10 +239,10 @@ class Simulation:
         decodes, chunks = w.step  # type: ignore[misc]
         w.step = None
         self.num_steps += 1
-        emitted: list[_Seq] = []
+        out: list[_Seq] = []  # the seqs that produced a token this step
         for s in decodes:
             s.tokens += 1
-            self._emit(s, emitted)
+            self._emit(s, out)
             if s.out_left == 0:
                 w.running.remove(s)
                 self._done(s)
@@ -252,7 +251,7 @@ class Simulation:
             s.tokens += n
             if s.prefill_left:
                 continue
-            self._emit(s, emitted)
+            self._emit(s, out)
             self.router.prefill_done(s.rid)
             if w.role == PREFILL:
                 w.running.remove(s)
@@ -265,13 +264,13 @@ class Simulation:
             elif s.out_left == 0:
                 w.running.remove(s)
                 self._done(s)
-        self._send(emitted)
+        self._send(out)
 
     @staticmethod
-    def _emit(s: _Seq, emitted: list[_Seq]) -> None:
+    def _emit(s: _Seq, out: list[_Seq]) -> None:
         s.out_left -= 1
         s.emitted += 1
-        emitted.append(s)
+        out.append(s)
 
     def _done(self, s: _Seq) -> None:
         """Its worker produced the last token (the client has it once the request path delivers it)."""
@@ -305,7 +304,7 @@ class Simulation:
                 for w in self.workers.values():
                     if w.step is None and w.start_step():
                         w.job.threads = self.hw.threads
-            self.frontend.threads = 1.0 if self.frontend.remaining > EPS else 0.0
+            self.frontend.threads = 1.0 if self.deliveries else 0.0
             if self.placement is not None:
                 self.placement.share([*jobs, self.frontend], self.background)
             else:
@@ -320,7 +319,7 @@ class Simulation:
                     t_step, first = t, w
             t_event = self._events[0][0] if self._events else math.inf
             if self.frontend.threads and self.frontend.rate > 0:
-                t_front = self.now + self.deliveries[0][0] / self.frontend.rate
+                t_front = self.now + max(0.0, self.deliveries[0][0]) / self.frontend.rate
             else:
                 t_front = math.inf
             t_next = min(t_step, t_event, t_front)
@@ -332,12 +331,9 @@ class Simulation:
                 self.busy[w.worker_id] += dt
             if self.frontend.threads:
                 self.deliveries[0][0] -= dt * self.frontend.rate
-                self.frontend.remaining = max(0.0, self.frontend.remaining - dt * self.frontend.rate)
             self.now = t_next
             if t_front == t_next:
-                _, seqs = self.deliveries.popleft()
-                self.frontend.remaining = sum(d[0] for d in self.deliveries)
-                self._deliver(seqs)
+                self._deliver(self.deliveries.popleft()[1])
             elif t_step == t_next and first is not None:
                 first.job.remaining = 0.0
                 first.job.threads = 0

@@ -58,7 +58,8 @@ def validate(args: argparse.Namespace, prof: dict[str, Any], mixes: list[Any], p
     model = prof["model"]["path"]
     sweeps = []  # (workload, its args) per simulated sequence: seeds SEED, SEED+1, ...
     for k in range(args.repeats):
-        bench_args = argparse.Namespace(**{**vars(args), "tokenizer": args.tokenizer or model, "seed": args.seed + k})
+        bench_args = argparse.Namespace(**{**vars(args), "tokenizer": args.tokenizer or model, "seed": args.seed + k,
+                                           "warmup": args.warmup if k == 0 else 0})  # warm once per server
         sweeps.append((dataclasses.replace(serve_bench.plan(bench_args), rates=rates), bench_args))
     wl = sweeps[0][0]
     threads = args.threads_per_worker or prof["worker"]["threads_per_worker"]
@@ -159,8 +160,8 @@ def _measure(server: Any, sweeps: list[tuple[Any, argparse.Namespace]], label: s
 def pool(results: list[dict[str, Any]], slo: SLO) -> dict[str, Any]:
     """Sweeps of one server at the same rates as one result: each rate's requests pooled,
     scored as one run (as the simulation pools its repeats)."""
-    if len(results) == 1:
-        return results[0]
+    if len({tuple(run["rate"] for run in r["runs"]) for r in results}) != 1:
+        raise ValueError("pooled sweeps must share their rates")
     runs = []
     for per_rate in zip(*(r["runs"] for r in results)):
         records = [rec for run in per_rate for rec in run["requests"]]
@@ -170,7 +171,7 @@ def pool(results: list[dict[str, Any]], slo: SLO) -> dict[str, Any]:
                      "sweeps": len(per_rate)})
     good = goodput([(r["rate"], r["summary"]["attainment"]["both"]) for r in runs], slo.attainment)
     config = {**results[0]["config"], "requests_per_rate": sum(r["config"]["requests_per_rate"] for r in results),
-              "seeds": [r["config"].get("seed") for r in results]}
+              "seed": None, "seeds": [r["config"]["seed"] for r in results]}
     return {**results[0], "config": config, "runs": runs, "goodput": good}
 
 

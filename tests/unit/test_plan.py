@@ -291,5 +291,7 @@ def test_pooled_sweeps_score_each_rate_over_every_sequence():
     assert pooled["runs"][1]["client_cpu_s"] == 1.0 and pooled["runs"][1]["summary"]["duration_s"] == 20.0
     assert pooled["config"]["requests_per_rate"] == 20 and pooled["config"]["seeds"] == [0, 1]
     assert 1.0 <= pooled["goodput"]["interpolated_rps"] < 2.0
-    one = sweep(0, 10)
-    assert pool([one], slo) is one
+    one = pool([sweep(0, 10)], slo)
+    assert one["config"]["seeds"] == [0] and one["runs"][1]["sweeps"] == 1
+    with pytest.raises(ValueError, match="rates"):
+        pool([sweep(0, 10), {**sweep(1, 10), "runs": sweep(1, 10)["runs"][:1]}], slo)
