@@ -123,6 +123,10 @@ def test_core_placement_shares_a_core_then_rebalances():
     cpu.share([a, b, c, wide], bg)
     assert wide.rate == pytest.approx(2 / 3)
     assert bg.rate == pytest.approx(2 / 3)  # of the one core it wants: a third of each core
+    one = CorePlacement(1)
+    two_threads = Job(2, 1.0)  # more threads than cores: both run on the one core
+    one.share([two_threads], Job(0, 1.0))
+    assert two_threads.rate == pytest.approx(0.5)
 
 
 def test_tokens_reach_the_client_through_the_request_path():
