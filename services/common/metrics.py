@@ -74,6 +74,7 @@ class WorkerMetrics:
     spec_accepted_tokens: Counter
     spec_acceptance_length: Histogram
     step_cpu: Counter
+    steps: Counter
 
 
 def worker_metrics(role: str, worker: str,
@@ -124,6 +125,8 @@ def worker_metrics(role: str, worker: str,
                               "CPU seconds the engine thread spent in steps (its OpenMP helpers not "
                               "counted); the rest of a worker's CPU is the request path",
                               WORKER_LABELS, registry=r)),
+        steps=bind(Counter(f"{PREFIX}engine_steps", "Engine steps run (each a forward pass)",
+                           WORKER_LABELS, registry=r)),
     )
     return m, r
 

@@ -181,6 +181,7 @@ class LLMEngine:
         finally:
             if self.metrics is not None:
                 self.metrics.step_cpu.inc(time.thread_time() - cpu0)
+                self.metrics.steps.inc()
 
     def _step(self, on_layer_done: Callable[[int, list[Sequence]], None] | None
               ) -> list[EngineOutput]:

@@ -171,6 +171,9 @@ def test_metrics_count_what_was_served(served):
     # the engine threads' step CPU: what the request path's share is measured against
     assert delta(r'tandem_engine_step_cpu_seconds_total\{role="prefill".*') > 0
     assert delta(r'tandem_engine_step_cpu_seconds_total\{role="decode".*') > 0
+    # one request at a time: its first token from the prefill worker, one decode step per later token
+    assert delta(r'tandem_engine_steps_total\{role="decode".*') == sent_tokens - 5
+    assert delta(r'tandem_engine_steps_total\{role="prefill".*') >= 5
     assert _sum(after, r'tandem_workers_ready\{role="(prefill|decode)"\}') == 2
     for family in ("queue_time_seconds_count", "prefill_time_seconds_count",
                    "kv_transfer_seconds_count", "kv_cache_free_blocks", "num_requests_running"):
