@@ -28,6 +28,9 @@ class Hardware:
     # a request's latency through the request path at rest (HTTP, routing, Ray's calls
     # there and back) beyond its CPU: the simulation routes it that much after it was sent
     request_latency_s: float = 0.0
+    # CPU the request path spends per worker step that streams tokens, whatever their number
+    # (the step's feed item: the worker's actor threads, Ray's stream, the gateway's dispatch)
+    frontend_s_per_step: float = 0.0
     # threads placed on whole cores (``CorePlacement``); False, or fractional or unbounded
     # ``cores`` (GPU workers): every busy thread an equal share of all the cores (fluid)
     whole_cores: bool = True

@@ -35,7 +35,7 @@ def attention_pairs(tokens: int, prior: int = 0) -> float:
     return tokens * (prior + (tokens + 1) / 2)
 
 
-def _lstsq_nonneg(a: np.ndarray, y: np.ndarray) -> np.ndarray:
+def lstsq_nonneg(a: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Least squares with every coefficient >= 0 (columns of a negative fit dropped, refitted)."""
     keep = list(range(a.shape[1]))
     while True:
@@ -62,7 +62,7 @@ class PrefillModel:
         if len(med) < 3:
             raise ValueError("a prefill fit needs steps of at least three shapes")
         a = np.array([[1.0, t, p] for t, p in med])
-        coef = _lstsq_nonneg(a, np.array(list(med.values())))
+        coef = lstsq_nonneg(a, np.array(list(med.values())))
         return cls(*map(float, coef))
 
     def __call__(self, tokens: float, pairs: float | None = None) -> float:
@@ -97,7 +97,7 @@ class DecodeModel:
         if len(med) < 3:
             raise ValueError("a decode fit needs at least three (batch, context) points")
         a = np.array([[1.0, b, c] for b, c in med])
-        return cls(*map(float, _lstsq_nonneg(a, np.array(list(med.values())))))
+        return cls(*map(float, lstsq_nonneg(a, np.array(list(med.values())))))
 
     def __call__(self, batch: int, context: float) -> float:
         """Seconds of a decode step of ``batch`` sequences attending ``context`` KV tokens in all."""
@@ -131,7 +131,7 @@ class TransferModel:
         if len(med) < 2:
             raise ValueError("a transfer fit needs at least two sizes")
         a = np.array([[1.0, b] for (b,) in med])
-        return cls(*map(float, _lstsq_nonneg(a, np.array(list(med.values())))))
+        return cls(*map(float, lstsq_nonneg(a, np.array(list(med.values())))))
 
     def __call__(self, nbytes: float) -> float:
         return self.latency + nbytes * self.seconds_per_byte

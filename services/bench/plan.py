@@ -116,6 +116,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "on a 2-core x86 host (0.74-0.76 on the interference preset at 4-10 req/s, 1.3-1.9 on chat "
                    "at 1-4 req/s: a step's bookkeeping is spread over fewer tokens at lower rates); less when "
                    "the gateway and clients run elsewhere")
+    p.add_argument("--frontend-ms-per-step", type=float, default=0.0,
+                   help="CPU the request path spends per engine step that streams tokens, whatever their "
+                   "number (ms): the step's feed item through the worker's actor threads, Ray's stream and "
+                   "the gateway's dispatch. 0: folded into --frontend-ms-per-token, whose default was "
+                   "measured that way; `tandem bench request-path` measures both at rest, `--validate` under "
+                   "load (fitted over the mixes)")
     p.add_argument("--step-ms-per-token", type=float, default=0.3,
                    help="how much longer a served worker's step is than the profiled one per token it emits "
                    "(ms): the worker hands its outputs to the token feeds and its Ray threads hold the GIL "
@@ -132,6 +138,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="placed: each busy thread on one core, as Linux places them (three threads on two "
                    "cores: two share one); fluid: every busy thread an equal share of all the cores (always so "
                    "for fractional --cores and GPU profiles)")
+    p.add_argument("--request-path", default=None, metavar="FILE",
+                   help="a `tandem bench request-path --json` of this host: its idle cores and CPU per step and "
+                   "per token take the place of --server-idle-cores, --frontend-ms-per-step and "
+                   "--frontend-ms-per-token")
     p.add_argument("--repeats", type=int, default=3, help="request sequences simulated per rate (seeds "
                    "SEED, SEED+1, ...; the first is the one `tandem bench serve` sends), pooled; `--validate` "
                    "sweeps each mix with every one of them and pools them the same way")
@@ -223,7 +233,12 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("--repeats, --threads-per-worker and --cores must be positive")
     hw = Hardware(cores, threads, args.prefill_nice, args.background_cores, args.server_idle_cores,
                   args.frontend_ms_per_token / 1e3, args.step_ms_per_token / 1e3,
-                  request_latency_s=args.request_latency_ms / 1e3, whole_cores=args.cpu_sharing == "placed")
+                  request_latency_s=args.request_latency_ms / 1e3, whole_cores=args.cpu_sharing == "placed",
+                  frontend_s_per_step=args.frontend_ms_per_step / 1e3)
+    if args.request_path:
+        path = json.loads(Path(args.request_path).read_text())
+        hw = dataclasses.replace(hw, server_idle_cores=path["idle_cores"], frontend_s_per_step=path["per_step_s"],
+                                 frontend_s_per_token=path["per_token_s"])
     max_workers = args.max_workers or (8 if on_gpu else max(2, int(2 * cores // threads)))
     mixes = [Mix.parse(m) for m in args.mixes.split(",")] if args.mixes else all_mixes(max_workers)
     if "transfer" not in prof["fit"] and any(not m.colocated for m in mixes):

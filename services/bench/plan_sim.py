@@ -10,10 +10,12 @@ What it models, and from where:
 - step times from the profile's fitted models (``services.bench.perf_model``), each
   longer by ``step_s_per_token`` per token it emits (what a served worker does on its
   step path that the profiled engine alone does not);
-- disaggregated: token #1 at the end of the prefill step that completes the prompt (the
-  gateway streams it at once), the KV reaches the decode worker after the profiled
-  transfer time of its bytes, which then decodes tokens 2..n; colocated: one worker does
-  all of it;
+- disaggregated: the prompt goes to its prefill worker once the decode worker reserved its
+  blocks, which its engine thread does between steps (a busy decode worker delays every
+  prompt by what is left of its current step); token #1 at the end of the prefill step
+  that completes the prompt (the gateway streams it at once), the KV reaches the decode
+  worker after the profiled transfer time of its bytes, which then decodes tokens 2..n;
+  colocated: one worker does all of it;
 - CPU contention: every busy worker wants ``threads`` cores, a frontend (gateway, load
   generator) wants one core while it has tokens to pass on, a background wants
   ``background_cores`` plus the server's own CPU at rest (``server_idle_cores``); each
@@ -21,8 +23,9 @@ What it models, and from where:
   threads on two cores run as two sharing one and one alone) or, with ``whole_cores``
   off, all share all the cores (processor sharing); a core is shared by weight (Linux CFS:
   nice ``n`` weighs ``1.25**-n``), re-divided at each event;
-- the request path: the frontend passes each step's tokens on in order, at its per-token
-  CPU cost and its share of a core (a token reaches the client when it is through), and
+- the request path: the frontend passes each step's tokens on in order, at its CPU cost
+  per step and per token and its share of a core (a token reaches the client when it is
+  through), and
   every request reaches its worker ``request_latency_s`` after it was sent (the path's
   latency at rest: HTTP, routing, Ray's calls). The per-token cost stands for the whole
   path outside the engine steps (gateway, load generator, Ray's calls and streams, KV
@@ -42,7 +45,7 @@ import dataclasses
 import heapq
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,6 +103,8 @@ class SimWorker:
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
         self.reserved: dict[str, int] = {}  # rid -> blocks held for KV on its way
+        # what callers asked of its engine thread while a step ran: done when the step ends
+        self.commands: list[Callable[[], None]] = []
         self.step: tuple[list[_Seq], list[tuple[_Seq, int]]] | None = None
 
     def load(self) -> WorkerLoad:
@@ -209,7 +214,13 @@ class Simulation:
             return
         dec.reserved[rid] = blocks_for(len(req.prompt) + 1, self.engine.block_size)
         seq.decode_worker = dec
-        self.workers[d.prefill.worker_id].waiting.append(seq)
+        # the blocks are reserved on the decode worker's engine thread, between its steps;
+        # only then is the prompt sent to the prefill worker
+        prefill = self.workers[d.prefill.worker_id]
+        if dec.step is None:
+            prefill.waiting.append(seq)
+        else:
+            dec.commands.append(lambda: prefill.waiting.append(seq))
 
     def _kv_arrived(self, seq: _Seq) -> None:
         dec = seq.decode_worker
@@ -222,7 +233,7 @@ class Simulation:
         """One step's tokens enter the request path (FIFO, at the frontend's CPU share)."""
         if not seqs:
             return
-        work = self.hw.outside_workers_s_per_token * len(seqs)
+        work = self.hw.frontend_s_per_step + self.hw.outside_workers_s_per_token * len(seqs)
         if work <= EPS and not self.deliveries:
             self._deliver(seqs)
             return
@@ -239,6 +250,9 @@ class Simulation:
         decodes, chunks = w.step  # type: ignore[misc]
         w.step = None
         self.num_steps += 1
+        for command in w.commands:
+            command()
+        w.commands.clear()
         out: list[_Seq] = []  # the seqs that produced a token this step
         for s in decodes:
             s.tokens += 1

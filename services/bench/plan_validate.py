@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from services.bench import runinfo
 from services.bench import serve as serve_bench
 from services.bench.metrics_math import SLO, goodput, summarize
@@ -36,7 +38,11 @@ class Measured:
     background_cores: float  # other processes' CPU meanwhile
     idle_cores: float  # the server's own CPU at rest (load polls, Ray): paid at any rate
     frontend_s_per_token: float | None  # the gateway's and the client's CPU per streamed token
-    path_s_per_token: float | None  # the whole request path's, less the idle CPU over the sweep
+    # the whole request path's, less the idle CPU over the sweep and the configured cost per step
+    path_s_per_token: float | None
+    steps: float | None = None  # engine steps the workers ran
+    path_cpu_s: float | None = None  # the whole request path's CPU, less the idle CPU over the sweep
+    tokens: int = 0  # streamed
 
 
 def error(predicted: float, measured: float) -> float | None:
@@ -74,7 +80,7 @@ def validate(args: argparse.Namespace, prof: dict[str, Any], mixes: list[Any], p
                               startup_timeout_s=args.startup_timeout)
         print(f"measuring {mix.label}: {' '.join(server.argv[3:])}", flush=True)
         try:
-            got = _measure(server, sweeps, mix.label, model)
+            got = _measure(server, sweeps, mix.label, model, hw.frontend_s_per_step)
         except RuntimeError as e:  # e.g. it could not start (the log's tail is in the message)
             print(f"{mix.label} NOT measured: {e}", flush=True)
             rows.append({"mix": mix.label, "failed": str(e).splitlines()[0]})
@@ -100,7 +106,8 @@ def validate(args: argparse.Namespace, prof: dict[str, Any], mixes: list[Any], p
                      "as_profiled_rps": q, "as_profiled_error": error(q, m),
                      "background_cores": got.background_cores, "idle_cores": idle,
                      "frontend_ms_per_token": 1e3 * frontend,
-                     "request_path_ms_per_token": 1e3 * path, "predicted_rps": p,
+                     "request_path_ms_per_token": 1e3 * path, "engine_steps": got.steps,
+                     "request_path_cpu_s": got.path_cpu_s, "tokens": got.tokens, "predicted_rps": p,
                      "predicted_bounded": under_load["goodput"]["bounded"],
                      "measured_rps": m, "measured_bounded": result["goodput"]["bounded"], "error": error(p, m),
                      # per rate, as the measured results (measured-MIX-results.json) have them
@@ -108,19 +115,21 @@ def validate(args: argparse.Namespace, prof: dict[str, Any], mixes: list[Any], p
                      "load_avg_before": load_before, "load_avg_after": runinfo.machine()["load_avg_at_start"]})
     best_pred = recommend(loaded, target_rate, wl.slo.attainment)
     best_meas = recommend(measured, target_rate, wl.slo.attainment)
-    out = {"rows": rows, "recommended_under_load": best_pred["label"] if best_pred else None,
+    out = {"rows": rows, "request_path_fit": path_fit(rows),
+           "recommended_under_load": best_pred["label"] if best_pred else None,
            "measured_best": best_meas["label"] if best_meas else None,
            "measured_ranking": [r["label"] for r in sorted(measured, key=lambda r: -r["goodput"]["interpolated_rps"])]}
     print_validation(out)
     return out
 
 
-def _measure(server: Any, sweeps: list[tuple[Any, argparse.Namespace]], label: str, model: str) -> Measured:
+def _measure(server: Any, sweeps: list[tuple[Any, argparse.Namespace]], label: str, model: str,
+             path_s_per_step: float) -> Measured:
     """Sweep one started-here server once per workload of ``sweeps`` (pooled per rate: ``pool``).
     Its request path's CPU is the server's process tree
     (gateway, Ray, workers) plus the client, less the engine threads' step CPU the workers
     count and the tree's CPU at rest (measured for ``IDLE_S`` before the sweep) over the
-    sweep's length."""
+    sweep's length; per token, once ``path_s_per_step`` per engine step is taken out."""
     from services.bench.cpu_load import (BackgroundSampler, process_cpu_seconds, tree_cpu_seconds,
                                          wait_until_idle)
 
@@ -131,8 +140,8 @@ def _measure(server: Any, sweeps: list[tuple[Any, argparse.Namespace]], label: s
         time.sleep(IDLE_S)
         idle = (tree_cpu_seconds(gateway_pid) - rest0) / IDLE_S
         sampler = BackgroundSampler(lambda: [os.getpid(), gateway_pid])
-        cpu0, tree0, steps0 = process_cpu_seconds(gateway_pid) or 0.0, tree_cpu_seconds(gateway_pid), \
-            engine_step_cpu(server.url)
+        cpu0, tree0, engine0 = process_cpu_seconds(gateway_pid) or 0.0, tree_cpu_seconds(gateway_pid), \
+            engine_counters(server.url)
         t0 = time.monotonic()
         with sampler:
             results = []
@@ -146,15 +155,32 @@ def _measure(server: Any, sweeps: list[tuple[Any, argparse.Namespace]], label: s
         gateway_cpu = (process_cpu_seconds(gateway_pid) or cpu0) - cpu0
         tree_cpu = tree_cpu_seconds(gateway_pid) - tree0
         time.sleep(TELEMETRY_WAIT_S)  # /metrics serves the workers' counters as last refreshed
-        steps1 = engine_step_cpu(server.url)
+        engine1 = engine_counters(server.url)
     bg = sampler.stop() or 0.0
     tokens = sum(run["summary"]["output_tokens"] for run in result["runs"])
     client_cpu = sum(run["client_cpu_s"] for run in result["runs"])
     if not tokens:
         return Measured(result, bg, idle, None, None)
-    path = None if steps0 is None or steps1 is None else \
-        max(0.0, tree_cpu + client_cpu - (steps1 - steps0) - idle * swept_s) / tokens
-    return Measured(result, bg, idle, (gateway_cpu + client_cpu) / tokens, path)
+    if engine0 is None or engine1 is None:
+        return Measured(result, bg, idle, (gateway_cpu + client_cpu) / tokens, None)
+    steps = engine1.steps - engine0.steps
+    path = tree_cpu + client_cpu - (engine1.step_cpu_s - engine0.step_cpu_s) - idle * swept_s
+    return Measured(result, bg, idle, (gateway_cpu + client_cpu) / tokens,
+                    max(0.0, path - path_s_per_step * steps) / tokens, steps, path, tokens)
+
+
+def path_fit(rows: list[dict[str, Any]]) -> dict[str, float] | None:
+    """The request path's CPU under load as ``per_step * steps + per_token * tokens``, fitted
+    over the measured mixes (their steps per token differ: None when fewer than two do)."""
+    from services.bench.perf_model import lstsq_nonneg
+
+    pts = [(r["engine_steps"], r["tokens"], r["request_path_cpu_s"]) for r in rows
+           if r.get("engine_steps") and r.get("tokens") and r.get("request_path_cpu_s") is not None]
+    if len({round(steps / tokens, 3) for steps, tokens, _ in pts}) < 2:
+        return None
+    a = np.array([[steps, tokens] for steps, tokens, _ in pts], dtype=float)
+    per_step, per_token = lstsq_nonneg(a, np.array([cpu for _, _, cpu in pts]))
+    return {"per_step_s": float(per_step), "per_token_s": float(per_token), "mixes": len(pts)}
 
 
 def pool(results: list[dict[str, Any]], slo: SLO) -> dict[str, Any]:
@@ -175,9 +201,16 @@ def pool(results: list[dict[str, Any]], slo: SLO) -> dict[str, Any]:
     return {**results[0], "config": config, "runs": runs, "goodput": good}
 
 
-def engine_step_cpu(url: str) -> float | None:
-    """The sum of every worker's ``tandem_engine_step_cpu_seconds_total`` on a server's
-    ``/metrics`` (None when it cannot be read)."""
+@dataclass(frozen=True)
+class EngineCounters:
+    """Every worker's engine counters summed, as a server's ``/metrics`` has them."""
+
+    step_cpu_s: float  # tandem_engine_step_cpu_seconds_total
+    steps: float  # tandem_engine_steps_total
+
+
+def engine_counters(url: str) -> EngineCounters | None:
+    """The server's engine counters (None when its ``/metrics`` cannot be read)."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -187,9 +220,11 @@ def engine_step_cpu(url: str) -> float | None:
             text = r.read().decode()
     except OSError:
         return None
-    return sum(s.value for f in text_string_to_metric_families(text)
-               if f.name == "tandem_engine_step_cpu_seconds" for s in f.samples
-               if s.name.endswith("_total"))
+    total = {"tandem_engine_step_cpu_seconds": 0.0, "tandem_engine_steps": 0.0}
+    for f in text_string_to_metric_families(text):
+        if f.name in total:
+            total[f.name] += sum(s.value for s in f.samples if s.name.endswith("_total"))
+    return EngineCounters(total["tandem_engine_step_cpu_seconds"], total["tandem_engine_steps"])
 
 
 def print_validation(v: dict[str, Any]) -> None:
@@ -218,6 +253,11 @@ def print_validation(v: dict[str, Any]) -> None:
               f"{r['predicted_rps']:>9.2f}{'' if r['predicted_bounded'] else '+'} "
               f"{r['measured_rps']:>9.2f}{'' if r['measured_bounded'] else '+'} {err + '%':>7}   "
               f"{r['load_avg_before'][0]:.2f}/{r['load_avg_after'][0]:.2f}")
+    fit = v.get("request_path_fit")
+    if fit:
+        print(f"request path under load, fitted over {fit['mixes']} mixes: {1e3 * fit['per_step_s']:.2f} ms per "
+              f"engine step + {1e3 * fit['per_token_s']:.2f} ms per token (`tandem plan --frontend-ms-per-step`, "
+              f"`--frontend-ms-per-token`)")
     print(f"recommended (predicted under that load): {v['recommended_under_load']}; best by the same rule, "
           f"measured: {v['measured_best']}; "
           f"measured goodput ranking: {', '.join(v['measured_ranking'])}")

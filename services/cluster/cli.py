@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from services.bench import compare, offline, spec, spec_placement, stream, transfer
+    from services.bench import compare, offline, request_path, spec, spec_placement, stream, transfer
     from services.bench import serve as serve_bench
 
     for name, module, text in (("offline", offline, "engine throughput vs HF transformers"),
@@ -135,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
                                ("stream", stream, "per-token overhead and concurrent streams"),
                                ("serve", serve_bench, "TTFT/TPOT/goodput of a server under load"),
                                ("compare", compare, "disaggregated vs colocated (vs another server)"),
+                               ("request-path", request_path, "a server's CPU per step and per token "
+                                "outside the engine, at rest (for `plan`)"),
                                ("spec", spec, "speculative decoding on and off, batch 1/4/16"),
                                ("spec-placement", spec_placement, "where a draft model's prompt KV is made")):
         sp = bench_sub.add_parser(name, help=text)

@@ -160,3 +160,20 @@ def test_plan_validate_measures_a_started_server_and_its_cpu(tiny_model_dir, tmp
     (run,) = measured["runs"]
     assert len(run["requests"]) == 12 and run["summary"]["completed"] == 12 and run["sweeps"] == 2
     assert len(set(measured["config"]["seeds"])) == 2
+
+
+def test_request_path_fits_a_started_servers_cpu_per_step_and_token(tiny_model_dir, tmp_path):
+    out = tmp_path / "path.json"
+    proc = subprocess.run([sys.executable, "-m", "services.cluster.cli", "bench", "request-path",
+                           "--model", str(tiny_model_dir), "--streams", "1,4", "--rounds", "1",
+                           "--output-len", "8", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    one, four = data["batches"]
+    assert (one["streams"], one["tokens"], four["tokens"]) == (1, 8, 32)
+    # one request's 7 later tokens take 7 decode steps; 4 together take at least as many
+    assert one["steps"] >= 8 and four["steps"] >= 8  # plus the prefill step(s)
+    assert one["path_cpu_s"] > 0 and four["path_cpu_s"] > 0
+    assert data["per_step_s"] >= 0 and data["per_token_s"] >= 0 and 0 <= data["idle_cores"] < 0.5
+    assert "--frontend-ms-per-step" in proc.stdout

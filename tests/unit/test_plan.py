@@ -124,6 +124,21 @@ def test_tandem_plan_prints_the_table_and_writes_helm_values(tmp_path, capsys):
     assert yaml.safe_load(values.read_text())["decode"]["replicas"] == chosen.decode
 
 
+def test_tandem_plan_takes_the_request_path_measured_on_this_host(tmp_path, capsys):
+    prof = _profile(tmp_path / "profile.json")
+    path = tmp_path / "path.json"
+    path.write_text(json.dumps({"idle_cores": 0.25, "per_step_s": 0.004, "per_token_s": 0.0007}))
+    common = ["plan", "--profile", prof, "--preset", "chat", "--num-prompts", "10", "--rates", "2", "--repeats",
+              "1", "--mixes", "1P+1D", "--no-plots"]
+    assert cli([*common, "--request-path", str(path), "--out-dir", str(tmp_path / "a")]) in (0, 1)
+    hw = json.loads((tmp_path / "a" / "plan.json").read_text())["hardware"]
+    assert (hw["server_idle_cores"], hw["frontend_s_per_step"], hw["frontend_s_per_token"]) == (0.25, 0.004, 0.0007)
+    assert cli([*common, "--out-dir", str(tmp_path / "b")]) in (0, 1)  # without it: the flags' defaults
+    hw = json.loads((tmp_path / "b" / "plan.json").read_text())["hardware"]
+    assert hw["server_idle_cores"] == 0.08 and hw["frontend_s_per_token"] == 0.001
+    capsys.readouterr()
+
+
 def test_tandem_plan_says_when_no_mix_meets_the_slo(tmp_path, capsys):
     prof = _profile(tmp_path / "profile.json")
     code = cli(["plan", "--profile", prof, "--preset", "chat", "--num-prompts", "10", "--rates", "2",
@@ -199,17 +214,21 @@ def test_validation_table_shows_errors_and_unmeasured_mixes(capsys):
     assert " 1.20    3.75 " in line  # the gateway and client's share, then the whole request path's
 
 
-def test_engine_step_cpu_sums_every_workers_counter():
+def test_engine_counters_sum_every_workers_counters():
     """Read from a server's /metrics as the validation does before and after a sweep."""
     import http.server
     import threading
 
-    from services.bench.plan_validate import engine_step_cpu
+    from services.bench.plan_validate import EngineCounters, engine_counters
 
     text = ('# HELP tandem_engine_step_cpu_seconds_total x\n# TYPE tandem_engine_step_cpu_seconds_total counter\n'
             'tandem_engine_step_cpu_seconds_total{role="prefill",worker="prefill-0"} 1.5\n'
             'tandem_engine_step_cpu_seconds_total{role="decode",worker="decode-0"} 2.25\n'
             'tandem_engine_step_cpu_seconds_created{role="decode",worker="decode-0"} 1.7e9\n'
+            '# TYPE tandem_engine_steps_total counter\n'
+            'tandem_engine_steps_total{role="prefill",worker="prefill-0"} 40\n'
+            'tandem_engine_steps_total{role="decode",worker="decode-0"} 300\n'
+            'tandem_engine_steps_created{role="decode",worker="decode-0"} 1.7e9\n'
             '# TYPE tandem_preemptions_total counter\ntandem_preemptions_total{role="decode",worker="decode-0"} 9\n')
 
     class Metrics(http.server.BaseHTTPRequestHandler):
@@ -226,10 +245,10 @@ def test_engine_step_cpu_sums_every_workers_counter():
     server = http.server.HTTPServer(("127.0.0.1", 0), Metrics)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        assert engine_step_cpu(f"http://127.0.0.1:{server.server_port}") == 3.75
+        assert engine_counters(f"http://127.0.0.1:{server.server_port}") == EngineCounters(3.75, 340.0)
     finally:
         server.shutdown()
-    assert engine_step_cpu("http://127.0.0.1:9") is None  # nothing listening: not a crash
+    assert engine_counters("http://127.0.0.1:9") is None  # nothing listening: not a crash
 
 
 def test_a_gpu_profile_plans_one_gpu_per_worker_without_cpu_sharing(tmp_path, capsys):
@@ -295,3 +314,15 @@ def test_pooled_sweeps_score_each_rate_over_every_sequence():
     assert one["config"]["seeds"] == [0] and one["runs"][1]["sweeps"] == 1
     with pytest.raises(ValueError, match="rates"):
         pool([sweep(0, 10), {**sweep(1, 10), "runs": sweep(1, 10)["runs"][:1]}], slo)
+
+
+def test_the_request_paths_cost_per_step_and_per_token_is_fitted_over_the_mixes():
+    from services.bench.plan_validate import path_fit
+
+    def row(steps: float, tokens: int) -> dict:
+        return {"engine_steps": steps, "tokens": tokens, "request_path_cpu_s": 0.005 * steps + 0.0004 * tokens}
+
+    fit = path_fit([row(1000, 20000), row(3000, 15000), {"mix": "2P+1D", "failed": "did not start"}])
+    assert (fit["per_step_s"], fit["per_token_s"], fit["mixes"]) == (pytest.approx(0.005), pytest.approx(0.0004), 2)
+    assert path_fit([row(1000, 20000), row(2000, 40000)]) is None  # one ratio of steps to tokens: no split
+    assert path_fit([{**row(1000, 20000), "engine_steps": None}, row(3000, 15000)]) is None

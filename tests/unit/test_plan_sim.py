@@ -77,6 +77,15 @@ def test_one_disaggregated_request_adds_the_transfer_before_token_two():
     assert r["itl_s"][0] == pytest.approx(xfer + 0.02 + 1e-5 * (prompt + 1))
 
 
+def test_a_prompt_waits_for_its_decode_workers_step_to_reserve_blocks():
+    # A's decode steps run 0.121-0.171, 0.171-0.221, ... (prefill 0.1, transfer 0.021): B,
+    # sent at 0.19, reaches its prefill worker when the step in progress ends at 0.221
+    model = steps(prefill_s=0.1, decode_base=0.05)
+    a, b = simulate([req(0.0, 16, 50, 0), req(0.19, 16, 2, 1)], model=model)
+    assert a["ttft_s"] == pytest.approx(0.1)
+    assert b["ttft_s"] == pytest.approx(0.221 + 0.1 - 0.19)
+
+
 def test_chunked_prefill_splits_a_prompt_across_steps():
     # budget 100: a 250-token prompt takes 3 steps of 100, 100, 50 tokens (per_token cost only)
     model = steps(prefill_s=0.0, per_token=0.001)
@@ -144,6 +153,10 @@ def test_tokens_reach_the_client_through_the_request_path():
     # 16 ms per item against a 10 ms step: the third item waits for the second, which waited
     # for the first
     assert slow_path[0]["e2e_s"] == pytest.approx(0.3 + 3 * 0.016)
+    # a cost per step's item as well: 4 ms + 8 x 1 ms for the first tokens
+    per_step = simulate([req(0.0, 32, 3, i) for i in range(8)], decode=1, colocated=True, model=model,
+                        frontend_s_per_token=0.001, frontend_s_per_step=0.004)
+    assert per_step[0]["ttft_s"] == pytest.approx(0.3 + 0.004 + 0.008)
 
 
 def test_share_cores_caps_threads_and_weighs_niceness():
