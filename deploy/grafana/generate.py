@@ -416,6 +416,16 @@ def pools() -> dict:
                             "tokens the target accepted, and draft tokens accepted per verified "
                             "draft (each verification also commits one token of the target's "
                             "own). Empty when speculation is off."),
+            timeseries("Engine steps/s per worker",
+                       [(f"sum by (role, worker) (rate(tandem_engine_steps_total{{{SEL}}}[{RI}]))", per_worker)],
+                       unit="ops", min_=0,
+                       description="Forward passes each worker's engine runs per second."),
+            timeseries("Engine busy per worker",
+                       [(f"sum by (role, worker) (rate(tandem_engine_step_cpu_seconds_total{{{SEL}}}[{RI}]))",
+                         per_worker)], unit="percentunit", min_=0,
+                       description="Share of a core each worker's engine thread spends in steps (its "
+                                   "OpenMP helpers not counted): near 1, the worker is saturated; the "
+                                   "rest of its CPU is the request path."),
         ]),
         row("Pool latency", [
             timeseries("Queue time by role",
