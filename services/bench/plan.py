@@ -27,7 +27,8 @@ from services.bench.arrivals import arrival_offsets
 from services.bench.metrics_math import SLO, goodput, summarize
 from services.bench.perf_model import DecodeModel, PrefillModel, StepModel, TransferModel
 from services.bench.cpu_share import Hardware
-from services.bench.plan_sim import Engine, SimRequest, Simulation
+from services.bench.plan_sim import Simulation
+from services.bench.sim_worker import Engine, SimRequest
 from services.bench.profile import background_cores
 
 SCHEMA = "tandem.plan/v1"

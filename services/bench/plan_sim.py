@@ -4,9 +4,9 @@ What it models, and from where:
 - routing: the real ``services.router.Router`` (decode worker first by free KV blocks and
   batch occupancy, then the prefill worker with the smallest prefill backlog; admission
   bounds), fed with each simulated worker's exact load;
-- each worker's continuous batching as ``services.engine.scheduler`` does it: per step a
-  token budget, decodes first, then in-progress prompt chunks, then waiting prompts in
-  arrival order (chunked prefill), at most ``max_num_seqs`` running;
+- each worker's continuous batching (``sim_worker``) as ``services.engine.scheduler`` does
+  it: per step a token budget, decodes first, then in-progress prompt chunks, then waiting
+  prompts in arrival order (chunked prefill), at most ``max_num_seqs`` running;
 - step times from the profile's fitted models (``services.bench.perf_model``), each
   longer by ``step_s_per_token`` per token it emits (what a served worker does on its
   step path that the profiled engine alone does not);
@@ -25,16 +25,15 @@ What it models, and from where:
   nice ``n`` weighs ``1.25**-n``), re-divided at each event;
 - the request path: the frontend passes each step's tokens on in order, at its CPU cost
   per step and per token and its share of a core (a token reaches the client when it is
-  through), and
-  every request reaches its worker ``request_latency_s`` after it was sent (the path's
-  latency at rest: HTTP, routing, Ray's calls). The per-token cost stands for the whole
+  through), and every request reaches its worker ``request_latency_s`` after it was sent
+  (the path's latency at rest: HTTP, routing, Ray's calls). Its CPU stands for the whole
   path outside the engine steps (gateway, load generator, Ray's calls and streams, KV
   send/receive threads).
 
 Not modelled: preemption (KV blocks are assumed to suffice), prefix-cache hits, the
 network between gateway and workers, the request path's per-request and per-prompt-token
 CPU (folded into the per-token one), scheduling delays of the path's threads beyond
-their CPU share (under load its latency grows: ~15 ms at rest, 50-100 ms more TTFT than
+their CPU share (under load its latency grows: ~14 ms at rest, 50-100 ms more TTFT than
 simulated on chat at 2 req/s with three workers on two cores), threads waiting for each
 other's GIL.
 """
@@ -45,102 +44,19 @@ import dataclasses
 import heapq
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from services.bench.cpu_share import CorePlacement, Hardware, Job, nice_weight, share_cores
-from services.bench.perf_model import StepModel, TransferModel, attention_pairs
+from services.bench.perf_model import StepModel, TransferModel
+from services.bench.sim_worker import Engine, SimRequest, SimSeq, SimWorker
 from services.router.config import RouterConfig
 from services.router.errors import ClusterFullError, PromptTooLargeError
 from services.router.router import Router
-from services.router.worker import BOTH, DECODE, PREFILL, WorkerLoad, blocks_for
+from services.router.worker import BOTH, DECODE, PREFILL, blocks_for
 
 EPS = 1e-12
-
-
-@dataclass(frozen=True)
-class SimRequest:
-    """One request: when it arrives (s), its prompt's token ids and its output length."""
-
-    arrival: float
-    prompt: tuple[int, ...]
-    output_len: int
-    kind: str = ""
-
-
-@dataclass(frozen=True)
-class Engine:
-    """Batching limits and KV sizes of every worker (from the profile)."""
-
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    block_size: int = 16
-    num_blocks: int = 65536
-    kv_bytes_per_token: int = 0
-
-
-@dataclass
-class _Seq:
-    rid: str
-    req: SimRequest
-    index: int
-    prefill_left: int
-    tokens: int = 0  # tokens whose KV this worker holds (prompt computed so far, then outputs)
-    out_left: int = 0
-    emitted: int = 0  # tokens its worker produced so far
-    finished: bool = False  # its worker produced the last one
-    decode_worker: SimWorker | None = None  # disaggregated: where its KV goes
-
-
-class SimWorker:
-    """One worker: its queues, its step in progress, its load as the router sees it."""
-
-    def __init__(self, worker_id: str, role: str, engine: Engine, steps: StepModel, job: Job,
-                 step_s_per_token: float = 0.0) -> None:
-        self.worker_id, self.role, self.engine, self.steps, self.job = worker_id, role, engine, steps, job
-        self.step_s_per_token = step_s_per_token
-        self.waiting: deque[_Seq] = deque()
-        self.running: list[_Seq] = []
-        self.reserved: dict[str, int] = {}  # rid -> blocks held for KV on its way
-        # what callers asked of its engine thread while a step ran: done when the step ends
-        self.commands: list[Callable[[], None]] = []
-        self.step: tuple[list[_Seq], list[tuple[_Seq, int]]] | None = None
-
-    def load(self) -> WorkerLoad:
-        e = self.engine
-        used = sum(self.reserved.values()) + sum(blocks_for(max(s.tokens, 1), e.block_size) for s in self.running)
-        queued = sum(s.prefill_left for s in self.waiting) + sum(s.prefill_left for s in self.running)
-        ids = frozenset([*self.reserved, *(s.rid for s in self.running), *(s.rid for s in self.waiting)])
-        return WorkerLoad(self.worker_id, self.role, True, e.num_blocks, max(0, e.num_blocks - used),
-                          e.block_size, len(self.running), len(self.waiting), queued, e.max_num_seqs, ids)
-
-    def start_step(self) -> bool:
-        """Schedule a step as the engine's scheduler would; False when there is nothing to do."""
-        budget = self.engine.max_num_batched_tokens
-        decodes = [s for s in self.running if s.prefill_left == 0][:budget]
-        budget -= len(decodes)
-        chunks: list[tuple[_Seq, int]] = []
-        for s in self.running:
-            if s.prefill_left > 0 and budget > 0:
-                n = min(s.prefill_left, budget)
-                chunks.append((s, n))
-                budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.engine.max_num_seqs:
-            s = self.waiting.popleft()
-            self.running.append(s)
-            n = min(s.prefill_left, budget)
-            chunks.append((s, n))
-            budget -= n
-        if not decodes and not chunks:
-            return False
-        self.step = (decodes, chunks)
-        self.job.remaining = self.steps.step(sum(n for _, n in chunks),
-                                             sum(attention_pairs(n, s.tokens) for s, n in chunks),
-                                             len(decodes), sum(s.tokens + 1 for s in decodes))
-        emitted = len(decodes) + sum(1 for s, n in chunks if n == s.prefill_left)
-        self.job.remaining += self.step_s_per_token * emitted
-        return True
 
 
 @dataclass
@@ -207,7 +123,7 @@ class Simulation:
         except (ClusterFullError, PromptTooLargeError) as e:
             self._fail(i, "rejected", str(e))
             return
-        seq = _Seq(rid, req, i, len(req.prompt), out_left=req.output_len)
+        seq = SimSeq(rid, req, i, len(req.prompt), out_left=req.output_len)
         dec = self.workers[d.decode.worker_id]
         if d.prefill is None:
             dec.waiting.append(seq)
@@ -222,14 +138,14 @@ class Simulation:
         else:
             dec.commands.append(lambda: prefill.waiting.append(seq))
 
-    def _kv_arrived(self, seq: _Seq) -> None:
+    def _kv_arrived(self, seq: SimSeq) -> None:
         dec = seq.decode_worker
         assert dec is not None
         dec.reserved.pop(seq.rid, None)
         seq.prefill_left, seq.tokens = 0, len(seq.req.prompt)
         dec.running.append(seq)
 
-    def _send(self, seqs: list[_Seq]) -> None:
+    def _send(self, seqs: list[SimSeq]) -> None:
         """One step's tokens enter the request path (FIFO, at the frontend's CPU share)."""
         if not seqs:
             return
@@ -239,7 +155,7 @@ class Simulation:
             return
         self.deliveries.append([work, seqs])
 
-    def _deliver(self, seqs: list[_Seq]) -> None:
+    def _deliver(self, seqs: list[SimSeq]) -> None:
         for s in seqs:
             times = self.token_times.setdefault(s.index, [])
             times.append(self.now)
@@ -253,7 +169,7 @@ class Simulation:
         for command in w.commands:
             command()
         w.commands.clear()
-        out: list[_Seq] = []  # the seqs that produced a token this step
+        out: list[SimSeq] = []  # the seqs that produced a token this step
         for s in decodes:
             s.tokens += 1
             self._emit(s, out)
@@ -281,17 +197,17 @@ class Simulation:
         self._send(out)
 
     @staticmethod
-    def _emit(s: _Seq, out: list[_Seq]) -> None:
+    def _emit(s: SimSeq, out: list[SimSeq]) -> None:
         s.out_left -= 1
         s.emitted += 1
         out.append(s)
 
-    def _done(self, s: _Seq) -> None:
+    def _done(self, s: SimSeq) -> None:
         """Its worker produced the last token (the client has it once the request path delivers it)."""
         self.router.complete(s.rid)
         s.finished = True
 
-    def _record(self, s: _Seq) -> None:
+    def _record(self, s: SimSeq) -> None:
         times = self.token_times.pop(s.index)
         out = len(times)
         ttft, e2e = times[0] - s.req.arrival, times[-1] - s.req.arrival

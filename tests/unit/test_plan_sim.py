@@ -7,7 +7,8 @@ import pytest
 
 from services.bench.perf_model import DecodeModel, PrefillModel, StepModel, TransferModel
 from services.bench.cpu_share import CorePlacement, Hardware, Job, nice_weight, share_cores
-from services.bench.plan_sim import Engine, SimRequest, Simulation
+from services.bench.plan_sim import Simulation
+from services.bench.sim_worker import Engine, SimRequest
 
 KV_BYTES = 1000  # per token
 

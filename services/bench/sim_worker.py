@@ -1,0 +1,99 @@
+"""One simulated worker of ``tandem plan``'s simulation (``plan_sim``): its queues, its
+continuous batching as ``services.engine.scheduler`` schedules steps, its step in progress
+and its load as the router sees it."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from services.bench.cpu_share import Job
+from services.bench.perf_model import StepModel, attention_pairs
+from services.router.worker import WorkerLoad, blocks_for
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    """One request: when it arrives (s), its prompt's token ids and its output length."""
+
+    arrival: float
+    prompt: tuple[int, ...]
+    output_len: int
+    kind: str = ""
+
+
+@dataclass(frozen=True)
+class Engine:
+    """Batching limits and KV sizes of every worker (from the profile)."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    block_size: int = 16
+    num_blocks: int = 65536
+    kv_bytes_per_token: int = 0
+
+
+@dataclass
+class SimSeq:
+    """A request as one worker holds it."""
+
+    rid: str
+    req: SimRequest
+    index: int
+    prefill_left: int
+    tokens: int = 0  # tokens whose KV this worker holds (prompt computed so far, then outputs)
+    out_left: int = 0
+    emitted: int = 0  # tokens its worker produced so far
+    finished: bool = False  # its worker produced the last one
+    decode_worker: SimWorker | None = None  # disaggregated: where its KV goes
+
+
+class SimWorker:
+    """One worker: its queues, its step in progress, its load as the router sees it."""
+
+    def __init__(self, worker_id: str, role: str, engine: Engine, steps: StepModel, job: Job,
+                 step_s_per_token: float = 0.0) -> None:
+        self.worker_id, self.role, self.engine, self.steps, self.job = worker_id, role, engine, steps, job
+        self.step_s_per_token = step_s_per_token
+        self.waiting: deque[SimSeq] = deque()
+        self.running: list[SimSeq] = []
+        self.reserved: dict[str, int] = {}  # rid -> blocks held for KV on its way
+        # what callers asked of its engine thread while a step ran: done when the step ends
+        self.commands: list[Callable[[], None]] = []
+        self.step: tuple[list[SimSeq], list[tuple[SimSeq, int]]] | None = None
+
+    def load(self) -> WorkerLoad:
+        e = self.engine
+        used = sum(self.reserved.values()) + sum(blocks_for(max(s.tokens, 1), e.block_size) for s in self.running)
+        queued = sum(s.prefill_left for s in self.waiting) + sum(s.prefill_left for s in self.running)
+        ids = frozenset([*self.reserved, *(s.rid for s in self.running), *(s.rid for s in self.waiting)])
+        return WorkerLoad(self.worker_id, self.role, True, e.num_blocks, max(0, e.num_blocks - used),
+                          e.block_size, len(self.running), len(self.waiting), queued, e.max_num_seqs, ids)
+
+    def start_step(self) -> bool:
+        """Schedule a step as the engine's scheduler would; False when there is nothing to do."""
+        budget = self.engine.max_num_batched_tokens
+        decodes = [s for s in self.running if s.prefill_left == 0][:budget]
+        budget -= len(decodes)
+        chunks: list[tuple[SimSeq, int]] = []
+        for s in self.running:
+            if s.prefill_left > 0 and budget > 0:
+                n = min(s.prefill_left, budget)
+                chunks.append((s, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.engine.max_num_seqs:
+            s = self.waiting.popleft()
+            self.running.append(s)
+            n = min(s.prefill_left, budget)
+            chunks.append((s, n))
+            budget -= n
+        if not decodes and not chunks:
+            return False
+        self.step = (decodes, chunks)
+        self.job.remaining = self.steps.step(sum(n for _, n in chunks),
+                                             sum(attention_pairs(n, s.tokens) for s, n in chunks),
+                                             len(decodes), sum(s.tokens + 1 for s in decodes))
+        emitted = len(decodes) + sum(1 for s, n in chunks if n == s.prefill_left)
+        self.job.remaining += self.step_s_per_token * emitted
+        return True
