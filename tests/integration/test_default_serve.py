@@ -41,9 +41,13 @@ class Terminal:
     def __init__(self, argv: list[str]) -> None:
         import os
         import pty
+        import signal
 
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child: its stdin/stdout/stderr are the terminal
+            # as a shell at a terminal starts it: Ctrl-C interrupts (a run of the suite
+            # started in the background inherits SIGINT ignored, and so would the child)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.execv(argv[0], argv)
         self.out = ""
         self.seen = 0  # read_until looks after this offset
