@@ -19,15 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from services.bench import runinfo
 from services.bench import serve as serve_bench
 from services.bench.metrics_math import SLO, goodput, summarize
-from services.cluster.telemetry import DEFAULT_INTERVAL_S
-
-TELEMETRY_WAIT_S = DEFAULT_INTERVAL_S + 0.5
-IDLE_S = 3.0  # how long the started server's CPU at rest is measured
+from services.bench.server_cpu import (TELEMETRY_WAIT_S, engine_counters, fit_per_step_and_token, idle_cores,
+                                       path_cpu_s)
 
 
 @dataclass
@@ -128,17 +124,13 @@ def _measure(server: Any, sweeps: list[tuple[Any, argparse.Namespace]], label: s
     """Sweep one started-here server once per workload of ``sweeps`` (pooled per rate: ``pool``).
     Its request path's CPU is the server's process tree
     (gateway, Ray, workers) plus the client, less the engine threads' step CPU the workers
-    count and the tree's CPU at rest (measured for ``IDLE_S`` before the sweep) over the
-    sweep's length; per token, once ``path_s_per_step`` per engine step is taken out."""
-    from services.bench.cpu_load import (BackgroundSampler, process_cpu_seconds, tree_cpu_seconds,
-                                         wait_until_idle)
+    count and the tree's CPU at rest (measured before the sweep) over the sweep's length
+    (``server_cpu``); per token, once ``path_s_per_step`` per engine step is taken out."""
+    from services.bench.cpu_load import BackgroundSampler, process_cpu_seconds, tree_cpu_seconds
 
     with server:
         gateway_pid = server.proc.pid
-        wait_until_idle(gateway_pid)
-        rest0 = tree_cpu_seconds(gateway_pid)
-        time.sleep(IDLE_S)
-        idle = (tree_cpu_seconds(gateway_pid) - rest0) / IDLE_S
+        idle = idle_cores(gateway_pid)
         sampler = BackgroundSampler(lambda: [os.getpid(), gateway_pid])
         cpu0, tree0, engine0 = process_cpu_seconds(gateway_pid) or 0.0, tree_cpu_seconds(gateway_pid), \
             engine_counters(server.url)
@@ -164,7 +156,7 @@ def _measure(server: Any, sweeps: list[tuple[Any, argparse.Namespace]], label: s
     if engine0 is None or engine1 is None:
         return Measured(result, bg, idle, (gateway_cpu + client_cpu) / tokens, None)
     steps = engine1.steps - engine0.steps
-    path = tree_cpu + client_cpu - (engine1.step_cpu_s - engine0.step_cpu_s) - idle * swept_s
+    path = path_cpu_s(tree_cpu, client_cpu, engine0, engine1, idle, swept_s)
     return Measured(result, bg, idle, (gateway_cpu + client_cpu) / tokens,
                     max(0.0, path - path_s_per_step * steps) / tokens, steps, path, tokens)
 
@@ -172,15 +164,13 @@ def _measure(server: Any, sweeps: list[tuple[Any, argparse.Namespace]], label: s
 def path_fit(rows: list[dict[str, Any]]) -> dict[str, float] | None:
     """The request path's CPU under load as ``per_step * steps + per_token * tokens``, fitted
     over the measured mixes (their steps per token differ: None when fewer than two do)."""
-    from services.bench.perf_model import lstsq_nonneg
-
     pts = [(r["engine_steps"], r["tokens"], r["request_path_cpu_s"]) for r in rows
            if r.get("engine_steps") and r.get("tokens") and r.get("request_path_cpu_s") is not None]
-    if len({round(steps / tokens, 3) for steps, tokens, _ in pts}) < 2:
+    try:
+        per_step, per_token = fit_per_step_and_token(pts)
+    except ValueError:
         return None
-    a = np.array([[steps, tokens] for steps, tokens, _ in pts], dtype=float)
-    per_step, per_token = lstsq_nonneg(a, np.array([cpu for _, _, cpu in pts]))
-    return {"per_step_s": float(per_step), "per_token_s": float(per_token), "mixes": len(pts)}
+    return {"per_step_s": per_step, "per_token_s": per_token, "mixes": len(pts)}
 
 
 def pool(results: list[dict[str, Any]], slo: SLO) -> dict[str, Any]:
@@ -199,32 +189,6 @@ def pool(results: list[dict[str, Any]], slo: SLO) -> dict[str, Any]:
     config = {**results[0]["config"], "requests_per_rate": sum(r["config"]["requests_per_rate"] for r in results),
               "seed": None, "seeds": [r["config"]["seed"] for r in results]}
     return {**results[0], "config": config, "runs": runs, "goodput": good}
-
-
-@dataclass(frozen=True)
-class EngineCounters:
-    """Every worker's engine counters summed, as a server's ``/metrics`` has them."""
-
-    step_cpu_s: float  # tandem_engine_step_cpu_seconds_total
-    steps: float  # tandem_engine_steps_total
-
-
-def engine_counters(url: str) -> EngineCounters | None:
-    """The server's engine counters (None when its ``/metrics`` cannot be read)."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    try:
-        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
-            text = r.read().decode()
-    except OSError:
-        return None
-    total = {"tandem_engine_step_cpu_seconds": 0.0, "tandem_engine_steps": 0.0}
-    for f in text_string_to_metric_families(text):
-        if f.name in total:
-            total[f.name] += sum(s.value for s in f.samples if s.name.endswith("_total"))
-    return EngineCounters(total["tandem_engine_step_cpu_seconds"], total["tandem_engine_steps"])
 
 
 def print_validation(v: dict[str, Any]) -> None:

@@ -25,12 +25,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from services.bench import runinfo
-from services.bench.perf_model import lstsq_nonneg
-
-IDLE_S = 3.0
+from services.bench.server_cpu import (TELEMETRY_WAIT_S, engine_counters, fit_per_step_and_token, idle_cores,
+                                       path_cpu_s)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,20 +52,10 @@ class Batch:
     seconds: float
 
 
-def fit(batches: list[Batch]) -> tuple[float, float]:
-    """``(per_step_s, per_token_s)``: least squares, both >= 0."""
-    if len({(b.steps, b.tokens) for b in batches}) < 2:
-        raise ValueError("a fit needs batches of at least two shapes")
-    a = np.array([[b.steps, b.tokens] for b in batches], dtype=float)
-    per_step, per_token = lstsq_nonneg(a, np.array([b.path_cpu_s for b in batches]))
-    return float(per_step), float(per_token)
-
-
 def main(args: argparse.Namespace) -> int:
     from services.bench.cpu_load import tree_cpu_seconds, wait_until_idle
     from services.bench.launcher import TandemServer
     from services.bench.loadgen import run_requests
-    from services.bench.plan_validate import TELEMETRY_WAIT_S, engine_counters
     from services.bench.workload import FALLBACK_TOKEN_IDS, BenchRequest
     from services.engine.default_model import default_model_path
 
@@ -80,10 +67,7 @@ def main(args: argparse.Namespace) -> int:
     batches: list[Batch] = []
     with TandemServer(model, extra_args=args.server_arg) as server:
         pid = server.proc.pid
-        wait_until_idle(pid)
-        rest0 = tree_cpu_seconds(pid)
-        time.sleep(IDLE_S)
-        idle = (tree_cpu_seconds(pid) - rest0) / IDLE_S
+        idle = idle_cores(pid)
         k = 0
         for _ in range(args.rounds):
             for n in sizes:
@@ -103,11 +87,11 @@ def main(args: argparse.Namespace) -> int:
                 if not all(r["ok"] for r in res.records):
                     raise RuntimeError(f"{n} streams: a request failed: {res.records}")
                 tokens = sum(r["output_tokens"] for r in res.records)
-                path = tree1 - tree0 + res.client_cpu_s - (after.step_cpu_s - before.step_cpu_s) - idle * seconds
+                path = path_cpu_s(tree1 - tree0, res.client_cpu_s, before, after, idle, seconds)
                 batches.append(Batch(n, tokens, after.steps - before.steps, path, seconds))
                 print(f"{n:>4} streams: {tokens:>5} tokens, {after.steps - before.steps:>5.0f} steps, "
                       f"request path {path:6.2f} CPU-s", flush=True)
-    per_step, per_token = fit(batches)
+    per_step, per_token = fit_per_step_and_token([(b.steps, b.tokens, b.path_cpu_s) for b in batches])
     resid = [b.path_cpu_s - per_step * b.steps - per_token * b.tokens for b in batches]
     print(runinfo.machine_line())
     print(f"server at rest: {idle:.3f} cores")

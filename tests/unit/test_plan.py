@@ -219,7 +219,7 @@ def test_engine_counters_sum_every_workers_counters():
     import http.server
     import threading
 
-    from services.bench.plan_validate import EngineCounters, engine_counters
+    from services.bench.server_cpu import EngineCounters, engine_counters
 
     text = ('# HELP tandem_engine_step_cpu_seconds_total x\n# TYPE tandem_engine_step_cpu_seconds_total counter\n'
             'tandem_engine_step_cpu_seconds_total{role="prefill",worker="prefill-0"} 1.5\n'
