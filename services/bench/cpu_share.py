@@ -31,6 +31,11 @@ class Hardware:
     # CPU the request path spends per worker step that streams tokens, whatever their number
     # (the step's feed item: the worker's actor threads, Ray's stream, the gateway's dispatch)
     frontend_s_per_step: float = 0.0
+    # a served worker's engine-step CPU against the profiled step's, for the prompt and the
+    # decode part: what sharing the cores with the other workers and the request path costs
+    # a step (preemptions, caches refilled); `--validate` measures both
+    prefill_step_factor: float = 1.0
+    decode_step_factor: float = 1.0
     # threads placed on whole cores (``CorePlacement``); False, or fractional or unbounded
     # ``cores`` (GPU workers): every busy thread an equal share of all the cores (fluid)
     whole_cores: bool = True

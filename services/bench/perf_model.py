@@ -159,6 +159,11 @@ class StepModel:
         """Every step ``f`` times as long (e.g. back to a quiet machine from a busy one)."""
         return StepModel(self.prefill.scaled(f), self.decode.scaled(f))
 
+    def served(self, prefill_factor: float, decode_factor: float) -> StepModel:
+        """Steps as a served worker runs them: the prompt part ``prefill_factor`` and the
+        decode part ``decode_factor`` times the profiled cost."""
+        return StepModel(self.prefill.scaled(prefill_factor), self.decode.scaled(decode_factor))
+
     def step(self, prefill_tokens: int, prefill_pairs: float, decode_batch: int, decode_context: float) -> float:
         """Seconds of one engine step computing prompt chunks (``prefill_pairs``: their attention
         pairs, ``attention_pairs``) and ``decode_batch`` decodes attending ``decode_context`` tokens."""

@@ -129,6 +129,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "meanwhile. 0.3: decode steps of a 1P+1D server at batch 16 and 32 (`tandem bench serve "
                    "--rates inf --num-prompts N`: 37.3 and 57.0 ms between tokens) against the profile's "
                    "31.8 and 48.3 ms")
+    p.add_argument("--prefill-step-factor", type=float, default=1.0,
+                   help="a served worker's prompt computation against the profiled one (CPU per step): what "
+                   "sharing the cores with the other workers and the request path costs a step (preemptions, "
+                   "caches refilled); `--validate` measures it per mix")
+    p.add_argument("--decode-step-factor", type=float, default=1.0,
+                   help="the same for the decode part of a step")
     p.add_argument("--request-latency-ms", type=float, default=14.0,
                    help="a request's latency through the request path at rest, beyond its CPU (HTTP, routing, "
                    "Ray's calls there and back): every token reaches the client that much later. 14: an idle "
@@ -168,6 +174,7 @@ def simulate(mix: Mix, args: argparse.Namespace, rates: list[float], slo: SLO, p
     """One mix over the sweep: a results dict shaped like ``tandem bench serve``'s (no per-request list)."""
     steps, transfer, engine = models(prof, not args.keep_profile_load)
     runs = []
+    work: dict[str, dict[str, float]] = {}  # per worker role, over every run: engine steps, their cost
     for k, rate in enumerate(rates):
         records, duration = [], 0.0
         for rep in range(args.repeats):
@@ -176,10 +183,15 @@ def simulate(mix: Mix, args: argparse.Namespace, rates: list[float], slo: SLO, p
             res = sim.run(max_time_s=args.max_duration + 10 * args.request_timeout)
             records += res.records
             duration += res.duration_s
+            for role, (n, cost) in res.engine.items():
+                w = work.setdefault(role, {"steps": 0, "step_s": 0.0})
+                w["steps"] += n
+                w["step_s"] += cost
         runs.append({"rate": rate, "summary": summarize(records, duration, slo)})
     good = goodput([(r["rate"], r["summary"]["attainment"]["both"]) for r in runs], slo.attainment)
     return {"label": mix.label, "mix": dataclasses.asdict(mix), "workers": mix.workers,
-            "cores": mix.workers * hw.threads, "slo": slo.to_json(), "runs": runs, "goodput": good}
+            "cores": mix.workers * hw.threads, "slo": slo.to_json(), "runs": runs, "goodput": good,
+            "engine": work}
 
 
 def recommend(results: list[dict[str, Any]], target_rate: float, target: float) -> dict[str, Any] | None:
@@ -235,7 +247,8 @@ def main(args: argparse.Namespace) -> int:
     hw = Hardware(cores, threads, args.prefill_nice, args.background_cores, args.server_idle_cores,
                   args.frontend_ms_per_token / 1e3, args.step_ms_per_token / 1e3,
                   request_latency_s=args.request_latency_ms / 1e3, whole_cores=args.cpu_sharing == "placed",
-                  frontend_s_per_step=args.frontend_ms_per_step / 1e3)
+                  frontend_s_per_step=args.frontend_ms_per_step / 1e3,
+                  prefill_step_factor=args.prefill_step_factor, decode_step_factor=args.decode_step_factor)
     if args.request_path:
         path = json.loads(Path(args.request_path).read_text())
         hw = dataclasses.replace(hw, server_idle_cores=path["idle_cores"], frontend_s_per_step=path["per_step_s"],

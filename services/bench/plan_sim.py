@@ -7,9 +7,12 @@ What it models, and from where:
 - each worker's continuous batching (``sim_worker``) as ``services.engine.scheduler`` does
   it: per step a token budget, decodes first, then in-progress prompt chunks, then waiting
   prompts in arrival order (chunked prefill), at most ``max_num_seqs`` running;
-- step times from the profile's fitted models (``services.bench.perf_model``), each
-  longer by ``step_s_per_token`` per token it emits (what a served worker does on its
-  step path that the profiled engine alone does not);
+- step times from the profile's fitted models (``services.bench.perf_model``), their
+  prompt and decode parts ``prefill_step_factor`` and ``decode_step_factor`` times the
+  profiled cost (a served step's CPU against the profiled step's: preemptions, caches
+  shared with the other workers and the request path), each longer by
+  ``step_s_per_token`` per token it emits (what a served worker does on its step path
+  that the profiled engine alone does not);
 - disaggregated: the prompt goes to its prefill worker once the decode worker reserved its
   blocks, which its engine thread does between steps (a busy decode worker delays every
   prompt by what is left of its current step); token #1 at the end of the prefill step
@@ -61,12 +64,12 @@ EPS = 1e-12
 
 @dataclass
 class SimResult:
-    """One record per request, in the shape ``services.bench.metrics_math`` scores."""
+    """One record per request, in the shape ``services.bench.metrics_math`` scores, and per
+    worker role the engine steps run and their cost (``SimWorker.step_s``)."""
 
     records: list[dict[str, Any]]
     duration_s: float
-    steps: int = 0
-    busy_s: dict[str, float] = field(default_factory=dict)
+    engine: dict[str, tuple[int, float]] = field(default_factory=dict)
 
 
 class Simulation:
@@ -81,6 +84,7 @@ class Simulation:
         if not colocated and transfer is None:
             raise ValueError("a disaggregated mix needs the profile's KV transfer model")
         self.requests = list(requests)
+        steps = steps.served(hardware.prefill_step_factor, hardware.decode_step_factor)
         self.steps, self.transfer, self.engine, self.hw = steps, transfer, engine, hardware
         cfg = router or RouterConfig()
         self.router = Router(dataclasses.replace(cfg, mode="colocated" if colocated else "disaggregated",
@@ -103,8 +107,6 @@ class Simulation:
         self._n = 0
         self.records: list[dict[str, Any] | None] = [None] * len(self.requests)
         self.token_times: dict[int, list[float]] = {}
-        self.num_steps = 0
-        self.busy = {wid: 0.0 for wid in self.workers}
 
     def _add(self, w: SimWorker) -> None:
         self.workers[w.worker_id] = w
@@ -165,7 +167,6 @@ class Simulation:
     def _finish_step(self, w: SimWorker) -> None:
         decodes, chunks = w.step  # type: ignore[misc]
         w.step = None
-        self.num_steps += 1
         for command in w.commands:
             command()
         w.commands.clear()
@@ -258,7 +259,6 @@ class Simulation:
             dt = t_next - self.now
             for w in busy:
                 w.job.remaining -= dt * w.job.rate
-                self.busy[w.worker_id] += dt
             if self.frontend.threads:
                 self.deliveries[0][0] -= dt * self.frontend.rate
             self.now = t_next
@@ -278,4 +278,8 @@ class Simulation:
             if rec is None:
                 self._fail(i, "deadline", "still in flight when the simulation stopped")
         start = min((r.arrival for r in self.requests), default=0.0)
-        return SimResult(self.records, self.now - start, self.num_steps, self.busy)  # type: ignore[arg-type]
+        engine: dict[str, tuple[int, float]] = {}
+        for w in self.workers.values():
+            steps, cost = engine.get(w.role, (0, 0.0))
+            engine[w.role] = (steps + w.num_steps, cost + w.step_s)
+        return SimResult(self.records, self.now - start, engine)  # type: ignore[arg-type]

@@ -15,15 +15,17 @@ import dataclasses
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from services.bench import runinfo
 from services.bench import serve as serve_bench
 from services.bench.metrics_math import SLO, goodput, summarize
+from services.bench.perf_model import StepModel
 from services.bench.server_cpu import (TELEMETRY_WAIT_S, engine_counters, fit_per_step_and_token, idle_cores,
                                        path_cpu_s)
+from services.router.worker import BOTH, DECODE, PREFILL
 
 
 @dataclass
@@ -39,6 +41,25 @@ class Measured:
     steps: float | None = None  # engine steps the workers ran
     path_cpu_s: float | None = None  # the whole request path's CPU, less the idle CPU over the sweep
     tokens: int = 0  # streamed
+    engine_by_role: dict[str, tuple[float, float]] = field(default_factory=dict)  # role -> (step CPU s, steps)
+
+
+def step_factors(measured: dict[str, tuple[float, float]], simulated: dict[str, dict[str, float]],
+                 steps: StepModel) -> dict[str, float]:
+    """Per worker role, its served engine steps' CPU (``measured``: role -> CPU s, steps)
+    against the profiled cost of the same requests' steps in the simulation (``simulate``'s
+    ``engine``, run with both step factors 1), the difference in step count at a step's
+    fixed cost; roles either side lacks are left out."""
+    out = {}
+    for role, (cpu, n) in measured.items():
+        sim = simulated.get(role)
+        if not sim or not n:
+            continue
+        fixed = steps.prefill.base if role == PREFILL else steps.decode.base
+        expected = sim["step_s"] + (n - sim["steps"]) * fixed
+        if expected > 0:
+            out[role] = cpu / expected
+    return out
 
 
 def error(predicted: float, measured: float) -> float | None:
@@ -51,13 +72,14 @@ def validate(args: argparse.Namespace, prof: dict[str, Any], mixes: list[Any], p
     """Measure every mix, and predict it again under the background load measured meanwhile;
     the validation block of ``plan.json``."""
     from services.bench.launcher import TandemServer
-    from services.bench.plan import recommend, simulate
+    from services.bench.plan import models, recommend, simulate
 
     def on_sigterm(signum: int, frame: object) -> None:
         raise SystemExit(128 + signum)  # unwinds through the server's `with`: it is stopped too
 
     signal.signal(signal.SIGTERM, on_sigterm)
     model = prof["model"]["path"]
+    step_model = models(prof, not args.keep_profile_load)[0]
     sweeps = []  # (workload, its args) per simulated sequence: seeds SEED, SEED+1, ...
     for k in range(args.repeats):
         bench_args = argparse.Namespace(**{**vars(args), "tokenizer": args.tokenizer or model, "seed": args.seed + k,
@@ -87,8 +109,16 @@ def validate(args: argparse.Namespace, prof: dict[str, Any], mixes: list[Any], p
         # steps) as the frontend's per-token CPU, the server's CPU at rest as background:
         # all of it competes for the same cores
         path = got.path_s_per_token if got.path_s_per_token is not None else frontend
-        under_load = simulate(mix, args, rates, wl.slo, prof, dataclasses.replace(
-            hw, background_cores=got.background_cores, server_idle_cores=idle, frontend_s_per_token=path))
+        load = dataclasses.replace(hw, background_cores=got.background_cores, server_idle_cores=idle,
+                                   frontend_s_per_token=path)
+        as_profiled_steps = simulate(mix, args, rates, wl.slo, prof,
+                                     dataclasses.replace(load, prefill_step_factor=1.0, decode_step_factor=1.0))
+        factors = step_factors(got.engine_by_role, as_profiled_steps["engine"], step_model)
+        both = factors.get(BOTH)
+        load = dataclasses.replace(
+            load, prefill_step_factor=factors.get(PREFILL, both or hw.prefill_step_factor),
+            decode_step_factor=factors.get(DECODE, both or hw.decode_step_factor))
+        under_load = simulate(mix, args, rates, wl.slo, prof, load)
         loaded.append(under_load)
         as_profiled = simulate(mix, argparse.Namespace(**{**vars(args), "keep_profile_load": True}), rates,
                                wl.slo, prof, dataclasses.replace(hw, background_cores=0.0))
@@ -103,6 +133,7 @@ def validate(args: argparse.Namespace, prof: dict[str, Any], mixes: list[Any], p
                      "background_cores": got.background_cores, "idle_cores": idle,
                      "frontend_ms_per_token": 1e3 * frontend,
                      "request_path_ms_per_token": 1e3 * path, "engine_steps": got.steps,
+                     "step_factors": factors,
                      "request_path_cpu_s": got.path_cpu_s, "tokens": got.tokens, "predicted_rps": p,
                      "predicted_bounded": under_load["goodput"]["bounded"],
                      "measured_rps": m, "measured_bounded": result["goodput"]["bounded"], "error": error(p, m),
@@ -158,7 +189,7 @@ def _measure(server: Any, sweeps: list[tuple[Any, argparse.Namespace]], label: s
     steps = engine1.steps - engine0.steps
     path = path_cpu_s(tree_cpu, client_cpu, engine0, engine1, idle, swept_s)
     return Measured(result, bg, idle, (gateway_cpu + client_cpu) / tokens,
-                    max(0.0, path - path_s_per_step * steps) / tokens, steps, path, tokens)
+                    max(0.0, path - path_s_per_step * steps) / tokens, steps, path, tokens, engine1.since(engine0))
 
 
 def path_fit(rows: list[dict[str, Any]]) -> dict[str, float] | None:
@@ -191,6 +222,12 @@ def pool(results: list[dict[str, Any]], slo: SLO) -> dict[str, Any]:
     return {**results[0], "config": config, "runs": runs, "goodput": good}
 
 
+def _factors(f: dict[str, float]) -> str:
+    if BOTH in f:
+        return f"{f[BOTH]:.2f}"
+    return "/".join(serve_bench.fmt_num(f.get(role), ".2f") for role in (PREFILL, DECODE))
+
+
 def print_validation(v: dict[str, Any]) -> None:
     print()
     print(runinfo.machine_line())
@@ -198,10 +235,11 @@ def print_validation(v: dict[str, Any]) -> None:
           "profiled (the load then); under the background measured during the run (cores other processes "
           "used, bg, plus the server's own CPU at rest, idle) with the request path's CPU per token measured "
           "then (path ms: everything outside the engine steps and the idle CPU, of which the gateway and "
-          "client: fe ms); and measured, with the errors of the last "
+          "client: fe ms) and the served engine steps' CPU against the profiled steps' (steps P/D: prefill "
+          "and decode workers, one figure for colocated ones); and measured, with the errors of the last "
           "two predictions")
     print(f"{'mix':>13} {'quiet':>7} {'profiled':>8} {'error':>6} {'bg cores':>8} {'idle':>5} {'fe ms':>5} {'path ms':>7} "
-          f"{'predicted':>10} "
+          f"{'steps P/D':>9} {'predicted':>10} "
           f"{'measured':>10} "
           f"{'error':>7}   load avg (1 min) before/after")
     pct = lambda e: serve_bench.fmt_num(None if e is None else 100 * e, "+.0f") + "%"  # noqa: E731
@@ -214,6 +252,7 @@ def print_validation(v: dict[str, Any]) -> None:
               f"{pct(r['as_profiled_error']):>6} {r['background_cores']:>8.2f} "
               f"{r.get('idle_cores', 0.0):>5.2f} {r['frontend_ms_per_token']:>5.2f} "
               f"{r.get('request_path_ms_per_token', r['frontend_ms_per_token']):>7.2f} "
+              f"{_factors(r.get('step_factors', {})):>9} "
               f"{r['predicted_rps']:>9.2f}{'' if r['predicted_bounded'] else '+'} "
               f"{r['measured_rps']:>9.2f}{'' if r['measured_bounded'] else '+'} {err + '%':>7}   "
               f"{r['load_avg_before'][0]:.2f}/{r['load_avg_after'][0]:.2f}")

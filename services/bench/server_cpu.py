@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -34,10 +34,17 @@ def idle_cores(pid: int) -> float:
 
 @dataclass(frozen=True)
 class EngineCounters:
-    """Every worker's engine counters summed, as a server's ``/metrics`` has them."""
+    """Every worker's engine counters summed, as a server's ``/metrics`` has them, and per
+    worker role."""
 
     step_cpu_s: float  # tandem_engine_step_cpu_seconds_total
     steps: float  # tandem_engine_steps_total
+    by_role: dict[str, tuple[float, float]] = field(default_factory=dict)  # role -> (step CPU s, steps)
+
+    def since(self, before: EngineCounters) -> dict[str, tuple[float, float]]:
+        """Per role, the step CPU and steps counted after ``before``."""
+        return {role: (cpu - before.by_role.get(role, (0.0, 0.0))[0], n - before.by_role.get(role, (0.0, 0.0))[1])
+                for role, (cpu, n) in self.by_role.items()}
 
 
 def engine_counters(url: str) -> EngineCounters | None:
@@ -51,11 +58,15 @@ def engine_counters(url: str) -> EngineCounters | None:
             text = r.read().decode()
     except OSError:
         return None
-    total = {"tandem_engine_step_cpu_seconds": 0.0, "tandem_engine_steps": 0.0}
+    names = ("tandem_engine_step_cpu_seconds", "tandem_engine_steps")
+    by_role: dict[str, list[float]] = {}
     for f in text_string_to_metric_families(text):
-        if f.name in total:
-            total[f.name] += sum(s.value for s in f.samples if s.name.endswith("_total"))
-    return EngineCounters(total["tandem_engine_step_cpu_seconds"], total["tandem_engine_steps"])
+        if f.name in names:
+            for s in f.samples:
+                if s.name.endswith("_total"):
+                    by_role.setdefault(s.labels.get("role", ""), [0.0, 0.0])[names.index(f.name)] += s.value
+    return EngineCounters(sum(c for c, _ in by_role.values()), sum(n for _, n in by_role.values()),
+                          {role: (c, n) for role, (c, n) in by_role.items()})
 
 
 def path_cpu_s(tree_s: float, client_s: float, before: EngineCounters, after: EngineCounters,

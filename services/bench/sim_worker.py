@@ -62,6 +62,8 @@ class SimWorker:
         # what callers asked of its engine thread while a step ran: done when the step ends
         self.commands: list[Callable[[], None]] = []
         self.step: tuple[list[SimSeq], list[tuple[SimSeq, int]]] | None = None
+        self.num_steps = 0
+        self.step_s = 0.0  # its steps' cost by ``steps``, the per-token part left out
 
     def load(self) -> WorkerLoad:
         e = self.engine
@@ -91,9 +93,10 @@ class SimWorker:
         if not decodes and not chunks:
             return False
         self.step = (decodes, chunks)
-        self.job.remaining = self.steps.step(sum(n for _, n in chunks),
-                                             sum(attention_pairs(n, s.tokens) for s, n in chunks),
-                                             len(decodes), sum(s.tokens + 1 for s in decodes))
+        cost = self.steps.step(sum(n for _, n in chunks), sum(attention_pairs(n, s.tokens) for s, n in chunks),
+                               len(decodes), sum(s.tokens + 1 for s in decodes))
+        self.num_steps += 1
+        self.step_s += cost
         emitted = len(decodes) + sum(1 for s, n in chunks if n == s.prefill_left)
-        self.job.remaining += self.step_s_per_token * emitted
+        self.job.remaining = cost + self.step_s_per_token * emitted
         return True

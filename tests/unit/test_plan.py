@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from services.bench import profile as profile_mod
-from services.bench.perf_model import DecodeModel, PrefillModel, TransferModel, attention_pairs
+from services.bench.perf_model import DecodeModel, PrefillModel, StepModel, TransferModel, attention_pairs
 from services.bench.plan import Mix, all_mixes, helm_values, recommend
 from services.bench.plan_validate import error
 from services.cluster.cli import main as cli
@@ -84,6 +84,17 @@ def test_helm_values_set_the_worker_groups():
     colo = yaml.safe_load(helm_values(Mix(0, 3, True), "note"))
     assert colo["gateway"]["mode"] == "colocated"
     assert (colo["prefill"]["replicas"], colo["decode"]["replicas"]) == (0, 3)
+
+
+def test_step_factors_set_served_step_cpu_against_the_profiled_cost_of_the_same_steps():
+    from services.bench.plan_validate import step_factors
+
+    model = StepModel(PrefillModel(0.02, 0.0, 0.0), DecodeModel(0.01, 0.0, 0.0))
+    simulated = {"prefill": {"steps": 10, "step_s": 2.0}, "decode": {"steps": 100, "step_s": 3.0}}
+    # decode ran 20 more steps than simulated: 20 more fixed costs expected (3.2 s)
+    measured = {"prefill": (2.4, 10.0), "decode": (4.0, 120.0), "both": (1.0, 5.0)}
+    assert step_factors(measured, simulated, model) == {"prefill": pytest.approx(1.2), "decode": pytest.approx(1.25)}
+    assert step_factors({"decode": (1.0, 0.0)}, simulated, model) == {}  # no steps measured: no factor
 
 
 def test_prediction_error():
@@ -214,7 +225,7 @@ def test_validation_table_shows_errors_and_unmeasured_mixes(capsys):
     assert " 1.20    3.75 " in line  # the gateway and client's share, then the whole request path's
 
 
-def test_engine_counters_sum_every_workers_counters():
+def test_engine_counters_sum_every_workers_counters_and_keep_them_per_role():
     """Read from a server's /metrics as the validation does before and after a sweep."""
     import http.server
     import threading
@@ -245,7 +256,10 @@ def test_engine_counters_sum_every_workers_counters():
     server = http.server.HTTPServer(("127.0.0.1", 0), Metrics)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        assert engine_counters(f"http://127.0.0.1:{server.server_port}") == EngineCounters(3.75, 340.0)
+        before = engine_counters(f"http://127.0.0.1:{server.server_port}")
+        assert before == EngineCounters(3.75, 340.0, {"prefill": (1.5, 40.0), "decode": (2.25, 300.0)})
+        later = EngineCounters(5.0, 400.0, {"prefill": (2.0, 50.0), "decode": (3.0, 350.0), "both": (1.0, 9.0)})
+        assert later.since(before) == {"prefill": (0.5, 10.0), "decode": (0.75, 50.0), "both": (1.0, 9.0)}
     finally:
         server.shutdown()
     assert engine_counters("http://127.0.0.1:9") is None  # nothing listening: not a crash

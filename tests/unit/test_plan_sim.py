@@ -65,6 +65,22 @@ def test_a_served_step_is_longer_by_its_per_token_cost():
         assert r["tpot_s"] == pytest.approx(0.01 + 8 * 0.002 + 8 * 0.001)
 
 
+def test_served_step_factors_scale_the_prompt_and_the_decode_part():
+    # as above, a served prompt step costing 1.5x the profiled one and a decode step 2x;
+    # the run accounts each role's steps and their cost
+    model = steps(prefill_s=0.3, decode_base=0.01, per_seq=0.002)
+    sim = Simulation([req(0.0, 32, 20, i) for i in range(8)], prefill=0, decode=1, colocated=True, steps=model,
+                     transfer=None, engine=Engine(2048, 256, 16, 100_000, KV_BYTES),
+                     hardware=Hardware(8.0, 1, prefill_step_factor=1.5, decode_step_factor=2.0))
+    res = sim.run()
+    decode = 2.0 * (0.01 + 8 * 0.002)
+    for r in res.records:
+        assert r["ttft_s"] == pytest.approx(1.5 * 0.3)
+        assert r["tpot_s"] == pytest.approx(decode)
+    n, cost = res.engine["both"]
+    assert n == 20 and cost == pytest.approx(1.5 * 0.3 + 19 * decode)
+
+
 def test_one_disaggregated_request_adds_the_transfer_before_token_two():
     model = steps(prefill_s=0.2, decode_base=0.02, per_ctx=1e-5)
     transfer = TransferModel(0.004, 1 / 2e6)
