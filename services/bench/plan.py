@@ -129,12 +129,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "meanwhile. 0.3: decode steps of a 1P+1D server at batch 16 and 32 (`tandem bench serve "
                    "--rates inf --num-prompts N`: 37.3 and 57.0 ms between tokens) against the profile's "
                    "31.8 and 48.3 ms")
-    p.add_argument("--prefill-step-factor", type=float, default=1.0,
+    p.add_argument("--prefill-step-factor", type=float, default=1.1,
                    help="a served worker's prompt computation against the profiled one (CPU per step): what "
                    "sharing the cores with the other workers and the request path costs a step (preemptions, "
-                   "caches refilled); `--validate` measures it per mix")
-    p.add_argument("--decode-step-factor", type=float, default=1.0,
-                   help="the same for the decode part of a step")
+                   "caches refilled); `--validate` measures it per mix. 1.1: 1.09-1.14 measured with one and two "
+                   "prefill workers on a 2-core x86 host (interference preset, 2-6 req/s)")
+    p.add_argument("--decode-step-factor", type=float, default=1.3,
+                   help="the same for the decode part of a step. 1.3: 1.25-1.31 measured there for one decode "
+                   "worker beside one or two prefill workers, 1.24-1.30 for two and three colocated workers")
     p.add_argument("--request-latency-ms", type=float, default=14.0,
                    help="a request's latency through the request path at rest, beyond its CPU (HTTP, routing, "
                    "Ray's calls there and back): every token reaches the client that much later. 14: an idle "
