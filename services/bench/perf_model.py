@@ -167,7 +167,12 @@ class StepModel:
     def step(self, prefill_tokens: int, prefill_pairs: float, decode_batch: int, decode_context: float) -> float:
         """Seconds of one engine step computing prompt chunks (``prefill_pairs``: their attention
         pairs, ``attention_pairs``) and ``decode_batch`` decodes attending ``decode_context`` tokens."""
+        return sum(self.parts(prefill_tokens, prefill_pairs, decode_batch, decode_context))
+
+    def parts(self, prefill_tokens: int, prefill_pairs: float, decode_batch: int,
+              decode_context: float) -> tuple[float, float]:
+        """``step``'s seconds as (the prompt part, the decode part): a step with prompt tokens
+        pays the prefill's fixed cost, one without the decode's."""
         if prefill_tokens > 0:
-            return (self.prefill(prefill_tokens, prefill_pairs)
-                    + self.decode.marginal(decode_batch, decode_context))
-        return self.decode(decode_batch, decode_context)
+            return (self.prefill(prefill_tokens, prefill_pairs), self.decode.marginal(decode_batch, decode_context))
+        return 0.0, self.decode(decode_batch, decode_context)

@@ -185,10 +185,11 @@ def simulate(mix: Mix, args: argparse.Namespace, rates: list[float], slo: SLO, p
             res = sim.run(max_time_s=args.max_duration + 10 * args.request_timeout)
             records += res.records
             duration += res.duration_s
-            for role, (n, cost) in res.engine.items():
-                w = work.setdefault(role, {"steps": 0, "step_s": 0.0})
+            for role, (n, prompt, decode) in res.engine.items():
+                w = work.setdefault(role, {"steps": 0, "prefill_s": 0.0, "decode_s": 0.0})
                 w["steps"] += n
-                w["step_s"] += cost
+                w["prefill_s"] += prompt
+                w["decode_s"] += decode
         runs.append({"rate": rate, "summary": summarize(records, duration, slo)})
     good = goodput([(r["rate"], r["summary"]["attainment"]["both"]) for r in runs], slo.attainment)
     return {"label": mix.label, "mix": dataclasses.asdict(mix), "workers": mix.workers,

@@ -65,11 +65,11 @@ EPS = 1e-12
 @dataclass
 class SimResult:
     """One record per request, in the shape ``services.bench.metrics_math`` scores, and per
-    worker role the engine steps run and their cost (``SimWorker.step_s``)."""
+    worker role the engine steps run and their cost: (steps, prompt part s, decode part s)."""
 
     records: list[dict[str, Any]]
     duration_s: float
-    engine: dict[str, tuple[int, float]] = field(default_factory=dict)
+    engine: dict[str, tuple[int, float, float]] = field(default_factory=dict)
 
 
 class Simulation:
@@ -278,8 +278,8 @@ class Simulation:
             if rec is None:
                 self._fail(i, "deadline", "still in flight when the simulation stopped")
         start = min((r.arrival for r in self.requests), default=0.0)
-        engine: dict[str, tuple[int, float]] = {}
+        engine: dict[str, tuple[int, float, float]] = {}
         for w in self.workers.values():
-            steps, cost = engine.get(w.role, (0, 0.0))
-            engine[w.role] = (steps + w.num_steps, cost + w.step_s)
+            steps, prompt, decode = engine.get(w.role, (0, 0.0, 0.0))
+            engine[w.role] = (steps + w.num_steps, prompt + w.prefill_s, decode + w.decode_s)
         return SimResult(self.records, self.now - start, engine)  # type: ignore[arg-type]

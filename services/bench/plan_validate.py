@@ -25,7 +25,7 @@ from services.bench.metrics_math import SLO, goodput, summarize
 from services.bench.perf_model import StepModel
 from services.bench.server_cpu import (TELEMETRY_WAIT_S, engine_counters, fit_per_step_and_token, idle_cores,
                                        path_cpu_s)
-from services.router.worker import BOTH, DECODE, PREFILL
+from services.router.worker import DECODE, PREFILL
 
 
 @dataclass
@@ -45,20 +45,33 @@ class Measured:
 
 
 def step_factors(measured: dict[str, tuple[float, float]], simulated: dict[str, dict[str, float]],
-                 steps: StepModel) -> dict[str, float]:
-    """Per worker role, its served engine steps' CPU (``measured``: role -> CPU s, steps)
-    against the profiled cost of the same requests' steps in the simulation (``simulate``'s
-    ``engine``, run with both step factors 1), the difference in step count at a step's
-    fixed cost; roles either side lacks are left out."""
+                 steps: StepModel, default: tuple[float, float]) -> dict[str, float]:
+    """The served step factors (``prefill``, ``decode``) a sweep measured: per worker role
+    its engine steps' CPU (``measured``: role -> CPU s, steps) against the profiled cost of
+    the same requests' steps in the simulation (``simulate``'s ``engine``, run with both
+    factors 1), the difference in step count at a step's fixed cost. Prefill workers give
+    the prompt factor, decode workers the decode factor; colocated workers, whose steps do
+    both, scale ``default`` (prompt, decode) to their CPU. Factors no role measured are left out."""
     out = {}
     for role, (cpu, n) in measured.items():
         sim = simulated.get(role)
         if not sim or not n:
             continue
-        fixed = steps.prefill.base if role == PREFILL else steps.decode.base
-        expected = sim["step_s"] + (n - sim["steps"]) * fixed
-        if expected > 0:
-            out[role] = cpu / expected
+        extra = n - sim["steps"]
+        if role == PREFILL:
+            expected = sim["prefill_s"] + sim["decode_s"] + extra * steps.prefill.base
+        elif role == DECODE:
+            expected = sim["prefill_s"] + sim["decode_s"] + extra * steps.decode.base
+        else:
+            expected = default[0] * sim["prefill_s"] + default[1] * (sim["decode_s"] + extra * steps.decode.base)
+        if expected <= 0:
+            continue
+        if role == PREFILL:
+            out["prefill"] = cpu / expected
+        elif role == DECODE:
+            out["decode"] = cpu / expected
+        else:
+            out.update(prefill=default[0] * cpu / expected, decode=default[1] * cpu / expected)
     return out
 
 
@@ -113,11 +126,10 @@ def validate(args: argparse.Namespace, prof: dict[str, Any], mixes: list[Any], p
                                    frontend_s_per_token=path)
         as_profiled_steps = simulate(mix, args, rates, wl.slo, prof,
                                      dataclasses.replace(load, prefill_step_factor=1.0, decode_step_factor=1.0))
-        factors = step_factors(got.engine_by_role, as_profiled_steps["engine"], step_model)
-        both = factors.get(BOTH)
-        load = dataclasses.replace(
-            load, prefill_step_factor=factors.get(PREFILL, both or hw.prefill_step_factor),
-            decode_step_factor=factors.get(DECODE, both or hw.decode_step_factor))
+        factors = step_factors(got.engine_by_role, as_profiled_steps["engine"], step_model,
+                               (hw.prefill_step_factor, hw.decode_step_factor))
+        load = dataclasses.replace(load, prefill_step_factor=factors.get("prefill", hw.prefill_step_factor),
+                                   decode_step_factor=factors.get("decode", hw.decode_step_factor))
         under_load = simulate(mix, args, rates, wl.slo, prof, load)
         loaded.append(under_load)
         as_profiled = simulate(mix, argparse.Namespace(**{**vars(args), "keep_profile_load": True}), rates,
@@ -223,9 +235,7 @@ def pool(results: list[dict[str, Any]], slo: SLO) -> dict[str, Any]:
 
 
 def _factors(f: dict[str, float]) -> str:
-    if BOTH in f:
-        return f"{f[BOTH]:.2f}"
-    return "/".join(serve_bench.fmt_num(f.get(role), ".2f") for role in (PREFILL, DECODE))
+    return "/".join(serve_bench.fmt_num(f.get(part), ".2f") for part in ("prefill", "decode"))
 
 
 def print_validation(v: dict[str, Any]) -> None:
@@ -235,8 +245,8 @@ def print_validation(v: dict[str, Any]) -> None:
           "profiled (the load then); under the background measured during the run (cores other processes "
           "used, bg, plus the server's own CPU at rest, idle) with the request path's CPU per token measured "
           "then (path ms: everything outside the engine steps and the idle CPU, of which the gateway and "
-          "client: fe ms) and the served engine steps' CPU against the profiled steps' (steps P/D: prefill "
-          "and decode workers, one figure for colocated ones); and measured, with the errors of the last "
+          "client: fe ms) and the served engine steps' CPU against the profiled steps' (steps P/D: the prompt "
+          "and the decode factor, colocated workers' CPU splitting them as the defaults do); and measured, with the errors of the last "
           "two predictions")
     print(f"{'mix':>13} {'quiet':>7} {'profiled':>8} {'error':>6} {'bg cores':>8} {'idle':>5} {'fe ms':>5} {'path ms':>7} "
           f"{'steps P/D':>9} {'predicted':>10} "

@@ -63,11 +63,16 @@ class SimWorker:
         self.commands: list[Callable[[], None]] = []
         self.step: tuple[list[SimSeq], list[tuple[SimSeq, int]]] | None = None
         self.num_steps = 0
-        self.step_s = 0.0  # its steps' cost by ``steps``, the per-token part left out
+        # its steps' cost by ``steps`` (the per-token part left out): prompt and decode parts
+        self.prefill_s = self.decode_s = 0.0
 
     def load(self) -> WorkerLoad:
         e = self.engine
-        used = sum(self.reserved.values()) + sum(blocks_for(max(s.tokens, 1), e.block_size) for s in self.running)
+        # a running sequence holds the blocks of its KV so far and, while its step runs, of
+        # the tokens that step computes (the engine allocates them when it schedules them)
+        computing = {s.rid: 1 for s in self.step[0]} | {s.rid: n for s, n in self.step[1]} if self.step else {}
+        used = sum(self.reserved.values()) + sum(blocks_for(max(s.tokens + computing.get(s.rid, 0), 1), e.block_size)
+                                                 for s in self.running)
         queued = sum(s.prefill_left for s in self.waiting) + sum(s.prefill_left for s in self.running)
         ids = frozenset([*self.reserved, *(s.rid for s in self.running), *(s.rid for s in self.waiting)])
         return WorkerLoad(self.worker_id, self.role, True, e.num_blocks, max(0, e.num_blocks - used),
@@ -93,10 +98,12 @@ class SimWorker:
         if not decodes and not chunks:
             return False
         self.step = (decodes, chunks)
-        cost = self.steps.step(sum(n for _, n in chunks), sum(attention_pairs(n, s.tokens) for s, n in chunks),
-                               len(decodes), sum(s.tokens + 1 for s in decodes))
+        prompt, decode = self.steps.parts(sum(n for _, n in chunks),
+                                          sum(attention_pairs(n, s.tokens) for s, n in chunks),
+                                          len(decodes), sum(s.tokens + 1 for s in decodes))
         self.num_steps += 1
-        self.step_s += cost
+        self.prefill_s += prompt
+        self.decode_s += decode
         emitted = len(decodes) + sum(1 for s, n in chunks if n == s.prefill_left)
-        self.job.remaining = cost + self.step_s_per_token * emitted
+        self.job.remaining = prompt + decode + self.step_s_per_token * emitted
         return True

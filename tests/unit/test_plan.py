@@ -90,11 +90,18 @@ def test_step_factors_set_served_step_cpu_against_the_profiled_cost_of_the_same_
     from services.bench.plan_validate import step_factors
 
     model = StepModel(PrefillModel(0.02, 0.0, 0.0), DecodeModel(0.01, 0.0, 0.0))
-    simulated = {"prefill": {"steps": 10, "step_s": 2.0}, "decode": {"steps": 100, "step_s": 3.0}}
+    simulated = {"prefill": {"steps": 10, "prefill_s": 2.0, "decode_s": 0.0},
+                 "decode": {"steps": 100, "prefill_s": 0.0, "decode_s": 3.0}}
     # decode ran 20 more steps than simulated: 20 more fixed costs expected (3.2 s)
-    measured = {"prefill": (2.4, 10.0), "decode": (4.0, 120.0), "both": (1.0, 5.0)}
-    assert step_factors(measured, simulated, model) == {"prefill": pytest.approx(1.2), "decode": pytest.approx(1.25)}
-    assert step_factors({"decode": (1.0, 0.0)}, simulated, model) == {}  # no steps measured: no factor
+    measured = {"prefill": (2.4, 10.0), "decode": (4.0, 120.0)}
+    assert step_factors(measured, simulated, model, (1.0, 1.0)) == {"prefill": pytest.approx(1.2),
+                                                                    "decode": pytest.approx(1.25)}
+    assert step_factors({"decode": (1.0, 0.0)}, simulated, model, (1.0, 1.0)) == {}  # no steps: no factor
+    # colocated steps do both: their CPU scales the default split (1.0 prompt, 2.0 decode);
+    # expected at the defaults 1.0 * 1.0 + 2.0 * (2.0 + 10 * 0.01) = 5.2 s, measured 6.5
+    both = {"both": {"steps": 50, "prefill_s": 1.0, "decode_s": 2.0}}
+    assert step_factors({"both": (6.5, 60.0)}, both, model, (1.0, 2.0)) == {"prefill": pytest.approx(1.25),
+                                                                            "decode": pytest.approx(2.5)}
 
 
 def test_prediction_error():

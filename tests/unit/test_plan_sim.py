@@ -77,8 +77,10 @@ def test_served_step_factors_scale_the_prompt_and_the_decode_part():
     for r in res.records:
         assert r["ttft_s"] == pytest.approx(1.5 * 0.3)
         assert r["tpot_s"] == pytest.approx(decode)
-    n, cost = res.engine["both"]
-    assert n == 20 and cost == pytest.approx(1.5 * 0.3 + 19 * decode)
+    n, prompt, decodes = res.engine["both"]
+    assert n == 20 and prompt == pytest.approx(1.5 * 0.3)
+    assert decodes == pytest.approx(19 * decode)  # the prompts' step decodes nothing
+
 
 
 def test_one_disaggregated_request_adds_the_transfer_before_token_two():
@@ -101,6 +103,15 @@ def test_a_prompt_waits_for_its_decode_workers_step_to_reserve_blocks():
     a, b = simulate([req(0.0, 16, 50, 0), req(0.19, 16, 2, 1)], model=model)
     assert a["ttft_s"] == pytest.approx(0.1)
     assert b["ttft_s"] == pytest.approx(0.221 + 0.1 - 0.19)
+
+
+def test_a_worker_computing_a_long_prompt_looks_as_full_as_the_engine_has_it():
+    # colocated: A decodes a stream, B takes a 1,024-token prompt (1.07 s); a short prompt
+    # sent meanwhile goes to A, because B's engine holds the blocks of the chunk it computes
+    model = steps(prefill_s=0.05, per_token=0.001, decode_base=0.02)
+    _, _, short = simulate([req(0.0, 16, 200, 0), req(0.01, 1024, 2, 1), req(0.5, 16, 2, 2)], decode=2,
+                           colocated=True, model=model)
+    assert short["ttft_s"] < 0.1
 
 
 def test_chunked_prefill_splits_a_prompt_across_steps():
