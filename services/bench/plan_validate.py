@@ -145,7 +145,7 @@ def validate(args: argparse.Namespace, prof: dict[str, Any], mixes: list[Any], p
                      "background_cores": got.background_cores, "idle_cores": idle,
                      "frontend_ms_per_token": 1e3 * frontend,
                      "request_path_ms_per_token": 1e3 * path, "engine_steps": got.steps,
-                     "step_factors": factors,
+                     "step_factors": factors, "engine_cpu_s_and_steps": got.engine_by_role,
                      "request_path_cpu_s": got.path_cpu_s, "tokens": got.tokens, "predicted_rps": p,
                      "predicted_bounded": under_load["goodput"]["bounded"],
                      "measured_rps": m, "measured_bounded": result["goodput"]["bounded"], "error": error(p, m),
