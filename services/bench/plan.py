@@ -132,11 +132,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-step-factor", type=float, default=1.1,
                    help="a served worker's prompt computation against the profiled one (CPU per step): what "
                    "sharing the cores with the other workers and the request path costs a step (preemptions, "
-                   "caches refilled); `--validate` measures it per mix. 1.1: 1.09-1.14 measured with one and two "
-                   "prefill workers on a 2-core x86 host (interference preset, 2-6 req/s)")
+                   "caches refilled); `--validate` measures it per mix. 1.1: 1.07-1.20 measured with one and two "
+                   "prefill workers on a 2-core x86 host (chat and interference presets, 1-6 req/s)")
     p.add_argument("--decode-step-factor", type=float, default=1.3,
-                   help="the same for the decode part of a step. 1.3: 1.25-1.31 measured there for one decode "
-                   "worker beside one or two prefill workers, 1.24-1.30 for two and three colocated workers")
+                   help="the same for the decode part of a step. 1.3: 1.20-1.35 measured there for one decode "
+                   "worker beside one or two prefill workers; two and three colocated workers' steps took "
+                   "1.22-1.30x their profiled cost in all")
     p.add_argument("--request-latency-ms", type=float, default=14.0,
                    help="a request's latency through the request path at rest, beyond its CPU (HTTP, routing, "
                    "Ray's calls there and back): every token reaches the client that much later. 14: an idle "
