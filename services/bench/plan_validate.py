@@ -57,21 +57,16 @@ def step_factors(measured: dict[str, tuple[float, float]], simulated: dict[str, 
         sim = simulated.get(role)
         if not sim or not n:
             continue
-        extra = n - sim["steps"]
-        if role == PREFILL:
-            expected = sim["prefill_s"] + sim["decode_s"] + extra * steps.prefill.base
-        elif role == DECODE:
-            expected = sim["prefill_s"] + sim["decode_s"] + extra * steps.decode.base
-        else:
-            expected = default[0] * sim["prefill_s"] + default[1] * (sim["decode_s"] + extra * steps.decode.base)
-        if expected <= 0:
+        extra = n - sim["steps"]  # steps the simulation ran fewer, at a step's fixed cost
+        if role in (PREFILL, DECODE):
+            fixed = steps.prefill.base if role == PREFILL else steps.decode.base
+            expected = sim["prefill_s"] + sim["decode_s"] + extra * fixed
+            if expected > 0:
+                out[role] = cpu / expected
             continue
-        if role == PREFILL:
-            out["prefill"] = cpu / expected
-        elif role == DECODE:
-            out["decode"] = cpu / expected
-        else:
-            out.update(prefill=default[0] * cpu / expected, decode=default[1] * cpu / expected)
+        expected = default[0] * sim["prefill_s"] + default[1] * (sim["decode_s"] + extra * steps.decode.base)
+        if expected > 0:
+            out.update({PREFILL: default[0] * cpu / expected, DECODE: default[1] * cpu / expected})
     return out
 
 
@@ -128,8 +123,8 @@ def validate(args: argparse.Namespace, prof: dict[str, Any], mixes: list[Any], p
                                      dataclasses.replace(load, prefill_step_factor=1.0, decode_step_factor=1.0))
         factors = step_factors(got.engine_by_role, as_profiled_steps["engine"], step_model,
                                (hw.prefill_step_factor, hw.decode_step_factor))
-        load = dataclasses.replace(load, prefill_step_factor=factors.get("prefill", hw.prefill_step_factor),
-                                   decode_step_factor=factors.get("decode", hw.decode_step_factor))
+        load = dataclasses.replace(load, prefill_step_factor=factors.get(PREFILL, hw.prefill_step_factor),
+                                   decode_step_factor=factors.get(DECODE, hw.decode_step_factor))
         under_load = simulate(mix, args, rates, wl.slo, prof, load)
         loaded.append(under_load)
         as_profiled = simulate(mix, argparse.Namespace(**{**vars(args), "keep_profile_load": True}), rates,
@@ -235,7 +230,7 @@ def pool(results: list[dict[str, Any]], slo: SLO) -> dict[str, Any]:
 
 
 def _factors(f: dict[str, float]) -> str:
-    return "/".join(serve_bench.fmt_num(f.get(part), ".2f") for part in ("prefill", "decode"))
+    return "/".join(serve_bench.fmt_num(f.get(part), ".2f") for part in (PREFILL, DECODE))
 
 
 def print_validation(v: dict[str, Any]) -> None:
@@ -245,9 +240,9 @@ def print_validation(v: dict[str, Any]) -> None:
           "profiled (the load then); under the background measured during the run (cores other processes "
           "used, bg, plus the server's own CPU at rest, idle) with the request path's CPU per token measured "
           "then (path ms: everything outside the engine steps and the idle CPU, of which the gateway and "
-          "client: fe ms) and the served engine steps' CPU against the profiled steps' (steps P/D: the prompt "
-          "and the decode factor, colocated workers' CPU splitting them as the defaults do); and measured, with the errors of the last "
-          "two predictions")
+          "client: fe ms) and the served engine steps' CPU against the profiled steps' (steps P/D: the "
+          "prompt and the decode factor, colocated workers' CPU splitting them as the defaults do); and "
+          "measured, with the errors of the last two predictions")
     print(f"{'mix':>13} {'quiet':>7} {'profiled':>8} {'error':>6} {'bg cores':>8} {'idle':>5} {'fe ms':>5} {'path ms':>7} "
           f"{'steps P/D':>9} {'predicted':>10} "
           f"{'measured':>10} "

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -34,17 +34,26 @@ def idle_cores(pid: int) -> float:
 
 @dataclass(frozen=True)
 class EngineCounters:
-    """Every worker's engine counters summed, as a server's ``/metrics`` has them, and per
-    worker role."""
+    """The workers' engine counters as a server's ``/metrics`` has them, summed per worker
+    role: role -> (tandem_engine_step_cpu_seconds_total, tandem_engine_steps_total)."""
 
-    step_cpu_s: float  # tandem_engine_step_cpu_seconds_total
-    steps: float  # tandem_engine_steps_total
-    by_role: dict[str, tuple[float, float]] = field(default_factory=dict)  # role -> (step CPU s, steps)
+    by_role: dict[str, tuple[float, float]]
+
+    @property
+    def step_cpu_s(self) -> float:
+        return sum(cpu for cpu, _ in self.by_role.values())
+
+    @property
+    def steps(self) -> float:
+        return sum(n for _, n in self.by_role.values())
 
     def since(self, before: EngineCounters) -> dict[str, tuple[float, float]]:
         """Per role, the step CPU and steps counted after ``before``."""
-        return {role: (cpu - before.by_role.get(role, (0.0, 0.0))[0], n - before.by_role.get(role, (0.0, 0.0))[1])
-                for role, (cpu, n) in self.by_role.items()}
+        out = {}
+        for role, (cpu, n) in self.by_role.items():
+            cpu0, n0 = before.by_role.get(role, (0.0, 0.0))
+            out[role] = (cpu - cpu0, n - n0)
+        return out
 
 
 def engine_counters(url: str) -> EngineCounters | None:
@@ -65,8 +74,7 @@ def engine_counters(url: str) -> EngineCounters | None:
             for s in f.samples:
                 if s.name.endswith("_total"):
                     by_role.setdefault(s.labels.get("role", ""), [0.0, 0.0])[names.index(f.name)] += s.value
-    return EngineCounters(sum(c for c, _ in by_role.values()), sum(n for _, n in by_role.values()),
-                          {role: (c, n) for role, (c, n) in by_role.items()})
+    return EngineCounters({role: (c, n) for role, (c, n) in by_role.items()})
 
 
 def path_cpu_s(tree_s: float, client_s: float, before: EngineCounters, after: EngineCounters,
