@@ -132,7 +132,7 @@ def test_plan_validate_measures_a_started_server_and_its_cpu(tiny_model_dir, tmp
     pts = {"prefill": [{"tokens": n, "seqs": 1, "pairs": attention_pairs(n), "seconds": 0.005 + 1e-5 * n}
                        for n in (16, 64, 256)],
            "decode": [{"batch": b, "context": c, "seconds": 0.005 + 1e-4 * b} for b, c in ((1, 32), (8, 64), (16, 32))],
-           "mixed": []}
+           "mixed": [], "transfer": [{"bytes": b, "seconds": 1e-3 + b / 1e9} for b in (2**16, 2**20)]}
     prof = profile_mod.fit({
         "schema": profile_mod.SCHEMA, "hardware": {"cpu": "test CPU", "cores": 2, "device": "cpu"},
         "model": {"path": str(tiny_model_dir)}, "worker": {"threads_per_worker": 1, "prefill_nice": 0},
@@ -142,13 +142,22 @@ def test_plan_validate_measures_a_started_server_and_its_cpu(tiny_model_dir, tmp
     path.write_text(json.dumps(prof))
     out = tmp_path / "plan"
     proc = subprocess.run([sys.executable, "-m", "services.cluster.cli", "plan", "--profile", str(path),
-                           "--mixes", "colocatedx1", "--input-len", "16", "--output-len", "8", "--num-prompts", "6",
-                           "--rates", "4", "--slo-ttft-ms", "3000", "--slo-tpot-ms", "500", "--repeats", "2",
-                           "--validate", "--no-plots", "--out-dir", str(out)],
+                           "--mixes", "colocatedx1,1P+1D", "--input-len", "16", "--output-len", "8",
+                           "--num-prompts", "6", "--rates", "4", "--slo-ttft-ms", "3000", "--slo-tpot-ms", "500",
+                           "--repeats", "2", "--validate", "--no-plots", "--out-dir", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode in (0, 1), proc.stdout + proc.stderr
-    (row,) = json.loads((out / "plan.json").read_text())["validation"]["rows"]
+    row, disagg = json.loads((out / "plan.json").read_text())["validation"]["rows"]
     assert row["mix"] == "colocated×1" and row["measured_rps"] > 0, row
+    assert disagg["mix"] == "1P+1D" and disagg["measured_rps"] > 0, disagg
+    # the served step factors, from each worker role's engine-step CPU and steps: a
+    # colocated worker's scale both, a prefill and a decode worker give one each
+    cpu, steps = row["engine_cpu_s_and_steps"]["both"]
+    assert cpu > 0 and steps >= 8 and set(row["step_factors"]) == {"prefill", "decode"}
+    assert set(disagg["engine_cpu_s_and_steps"]) == {"prefill", "decode"}
+    assert all(cpu > 0 and steps > 0 for cpu, steps in disagg["engine_cpu_s_and_steps"].values())
+    assert all(f > 0 for f in [*row["step_factors"].values(), *disagg["step_factors"].values()])
+    assert set(disagg["step_factors"]) == {"prefill", "decode"}
     # the server's CPU at rest (its load polls) is a fraction of a core; the rest of the
     # request path is per streamed token; other processes' CPU is not ours
     assert 0.0 <= row["idle_cores"] < 0.5
