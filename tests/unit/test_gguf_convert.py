@@ -130,3 +130,27 @@ def test_llm_loads_a_gguf_path_like_its_source_folder(tiny_gguf, tiny_model_dir,
     from_folder = LLM(str(tiny_model_dir)).generate(["Hello world", "def f(x):"], params)
     assert [o.outputs[0].token_ids for o in from_gguf] == [o.outputs[0].token_ids for o in from_folder]
     assert [o.prompt_token_ids for o in from_gguf] == [o.prompt_token_ids for o in from_folder]
+
+
+def test_a_reinstalled_file_reuses_its_conversion_and_a_changed_one_converts_anew(tiny_gguf, tmp_path,
+                                                                                  monkeypatch):
+    import os
+    import shutil
+
+    from services.engine.model.gguf_loader import converted_path
+
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+    first = converted_path(tiny_gguf)
+    again = tmp_path / "reinstalled" / tiny_gguf.name  # a new path and modification time
+    again.parent.mkdir()
+    shutil.copyfile(tiny_gguf, again)
+    os.utime(again, ns=(1, 1))
+    assert converted_path(again) == first
+    changed = tmp_path / "changed" / tiny_gguf.name
+    changed.parent.mkdir()
+    data = bytearray(tiny_gguf.read_bytes())
+    data[-1] ^= 0xFF  # one byte of the last tensor's data
+    changed.write_bytes(bytes(data))
+    assert converted_path(changed) != first
+    assert sorted(p.name for p in (tmp_path / "cache" / "models" / "gguf").iterdir()
+                  if p.name != "content-keys") == sorted({first.name, converted_path(changed).name})

@@ -14,7 +14,9 @@ each head interleaved for its RoPE kernel; they are un-permuted here, as ``gguf`
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -227,9 +229,27 @@ def convert(gguf_path: str | Path, out_dir: str | Path) -> Path:
 def converted_path(gguf_path: str | Path) -> Path:
     """Folder of ``gguf_path``'s conversion in the cache, converting on first use.
 
-    Keyed by the file's name, size and modification time, so a changed file converts anew.
+    Keyed by the file's name and content, so a changed file converts anew and the same
+    file installed again (a new path or modification time) reuses its conversion.
     """
     src = Path(gguf_path).resolve()
+    return convert(src, cache_dir() / "models" / "gguf" / f"{src.stem}-{content_key(src)}-{FORMAT_VERSION}")
+
+
+def content_key(src: Path) -> str:
+    """A digest of ``src``'s bytes, remembered per path, size and modification time so
+    that a large file is hashed once, not at every start."""
     st = src.stat()
-    key = f"{st.st_size:x}-{st.st_mtime_ns:x}"
-    return convert(src, cache_dir() / "models" / "gguf" / f"{src.stem}-{key}-{FORMAT_VERSION}")
+    stamp = hashlib.sha256(f"{src}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    memo = cache_dir() / "models" / "gguf" / "content-keys" / stamp
+    try:
+        return memo.read_text(encoding="utf-8").strip()
+    except OSError:
+        pass
+    with open(src, "rb") as f:
+        key = hashlib.file_digest(f, "sha256").hexdigest()[:16]
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    tmp = memo.with_name(f"{stamp}.{os.getpid()}.tmp")
+    tmp.write_text(key + "\n", encoding="utf-8")
+    os.replace(tmp, memo)  # atomic: a concurrent reader sees the whole key or none
+    return key
