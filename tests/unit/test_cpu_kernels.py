@@ -33,11 +33,14 @@ def _reference_decode(q, k_cache, v_cache, table, positions, window, scale):
     return o[:, :, 0]
 
 
-@pytest.mark.parametrize("heads,kv_heads,rows,window", [
-    (8, 4, 64, None), (4, 4, 3, None), (8, 2, 1, None), (16, 4, 5, 20), (6, 2, 40, 7)])
-def test_paged_decode_matches_gather_and_sdpa(heads, kv_heads, rows, window):
+# head sizes: 64 and 128 compile to their own code, 32 runs the generic vector path,
+# 40 the scalar one
+@pytest.mark.parametrize("heads,kv_heads,rows,window,d", [
+    (8, 4, 64, None, 32), (4, 4, 3, None, 64), (8, 2, 1, None, 128), (16, 4, 5, 20, 64),
+    (6, 2, 40, 7, 40), (9, 3, 7, None, 64), (4, 2, 2, None, 128)])
+def test_paged_decode_matches_gather_and_sdpa(heads, kv_heads, rows, window, d):
     gen = torch.Generator().manual_seed(rows)
-    d, bs, num_blocks = 32, 8, 1000
+    bs, num_blocks = 8, 1000
     k_cache = torch.randn(num_blocks, bs, kv_heads, d, generator=gen)
     v_cache = torch.randn(num_blocks, bs, kv_heads, d, generator=gen)
     positions = torch.randint(0, 90, (rows,), generator=gen)

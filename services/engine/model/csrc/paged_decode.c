@@ -25,12 +25,15 @@
 #define NAME tandem_paged_decode_f32
 #define KV_T float
 #define KV_LOAD tandem_load_f32
+#define KV_LOAD16 tandem_load16_f32
 #include "paged_decode_impl.h"
 #undef NAME
 #undef KV_T
 #undef KV_LOAD
+#undef KV_LOAD16
 
 #define NAME tandem_paged_decode_bf16
 #define KV_T uint16_t
 #define KV_LOAD tandem_load_bf16
+#define KV_LOAD16 tandem_load16_bf16
 #include "paged_decode_impl.h"

@@ -1,13 +1,32 @@
 /* Body of the paged decode kernel, included once per KV element type with
  * NAME (the exported symbol), KV_T (the cache element) and KV_LOAD (element
  * pointer -> float) defined. See paged_decode.c. */
-int NAME(const float *q, int64_t q_stride, float *out, const int64_t *rows,
-         const KV_T *k_cache, const KV_T *v_cache, const int64_t *block_table,
-         int64_t table_stride, const int64_t *positions, int64_t num_rows, int64_t num_heads,
-         int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t window,
-         float scale, int64_t head_splits) {
-    const int64_t G = num_heads / num_kv_heads, D = head_dim, KVH = num_kv_heads;
-    const int64_t kvh_per_task = KVH / head_splits, hpt = kvh_per_task * G;
+#define TANDEM_CAT2(a, b) a##b
+#define TANDEM_CAT(a, b) TANDEM_CAT2(a, b)
+#define BODY TANDEM_CAT(NAME, _body)
+#define PREFETCH_SPAN TANDEM_CAT(NAME, _prefetch_span)
+
+/* Touch the lines of ``span`` elements from ``p`` (the same keys' slice of the next block),
+ * so a block is in cache when the loop reaches it: blocks lie anywhere in the cache, and
+ * the hardware prefetcher stops at each page. */
+static inline void PREFETCH_SPAN(const KV_T *p, int64_t span) {
+    const char *c = (const char *)p;
+    for (int64_t b = 0; b < span * (int64_t)sizeof(KV_T); b += 64) __builtin_prefetch(c + b, 0, 3);
+}
+
+/* Head sizes whose keys the AVX-512 path holds in registers (16 floats a vector). */
+#define MAX_VECTORS 16
+#define VECTOR_HEAD(D) ((D) % 16 == 0 && (D) <= 16 * MAX_VECTORS)
+
+/* The kernel for one head size: inlined into each call below with ``D`` a constant where
+ * it is a common one, so the per-key dot products and value updates compile to whole vectors. */
+static inline __attribute__((always_inline)) int BODY(
+        const float *q, int64_t q_stride, float *out, const int64_t *rows, const KV_T *k_cache,
+        const KV_T *v_cache, const int64_t *block_table, int64_t table_stride,
+        const int64_t *positions, int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,
+        const int64_t D, int64_t block_size, int64_t window, float scale, int64_t head_splits) {
+    const int64_t G = num_heads / num_kv_heads, KVH = num_kv_heads;
+    const int64_t kvh_per_task = KVH / head_splits, hpt = kvh_per_task * G, span = kvh_per_task * D;
     const int64_t block_stride = block_size * KVH * D;
     const int64_t tasks = num_rows * head_splits;
     int failed = 0;
@@ -22,7 +41,7 @@ int NAME(const float *q, int64_t q_stride, float *out, const int64_t *rows,
             const int64_t r = task / head_splits, kh0 = (task % head_splits) * kvh_per_task;
             const int64_t pos = positions[r];
             const int64_t first = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
-            const int64_t n = pos - first + 1;
+            const int64_t n = pos - first + 1, last_blk = pos / block_size;
             if (hpt * n > cap) {
                 float *grown = realloc(scores, sizeof(float) * hpt * n);
                 if (grown == NULL) { failed = 1; continue; }
@@ -30,20 +49,42 @@ int NAME(const float *q, int64_t q_stride, float *out, const int64_t *rows,
                 cap = hpt * n;
             }
             const int64_t *table = block_table + r * table_stride;
-            const KV_T *kbase = NULL, *vbase = NULL;
+            const KV_T *kbase = NULL, *vbase = NULL, *knext = NULL, *vnext = NULL;
             const float *qr = q + rows[r] * q_stride + kh0 * G * D;
             /* pass 1: scores[h][j] = q_h . k_j * scale, key rows read in cache order */
             for (int64_t j = 0, blk = first / block_size, off = first % block_size; j < n; ++j, ++off) {
                 if (off == block_size) { off = 0; ++blk; }
-                if (j == 0 || off == 0) kbase = k_cache + table[blk] * block_stride;
-                const KV_T *kp = kbase + (off * KVH + kh0) * D;
-                for (int64_t h = 0; h < hpt; ++h) {
-                    const float *qh = qr + h * D;
-                    const KV_T *kh = kp + (h / G) * D;
-                    float s = 0.f;
+                if (j == 0 || off == 0) {
+                    kbase = k_cache + table[blk] * block_stride;
+                    knext = blk < last_blk ? k_cache + table[blk + 1] * block_stride : NULL;
+                }
+                const int64_t at = (off * KVH + kh0) * D;
+                if (knext != NULL) PREFETCH_SPAN(knext + at, span);
+                for (int64_t kh = 0; kh < kvh_per_task; ++kh) {
+                    const KV_T *kv = kbase + at + kh * D;
+#if defined(__AVX512F__)
+                    if (VECTOR_HEAD(D)) {  /* the key once in registers, a vector sum per head */
+                        __m512 key[MAX_VECTORS];
+                        for (int64_t i = 0; i < D / 16; ++i) key[i] = KV_LOAD16(kv + 16 * i);
+                        for (int64_t g = 0; g < G; ++g) {
+                            const int64_t h = kh * G + g;
+                            const float *qh = qr + h * D;
+                            __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qh), key[0]);
+                            for (int64_t i = 1; i < D / 16; ++i)
+                                s = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * i), key[i], s);
+                            scores[h * n + j] = _mm512_reduce_add_ps(s) * scale;
+                        }
+                        continue;
+                    }
+#endif
+                    for (int64_t g = 0; g < G; ++g) {
+                        const int64_t h = kh * G + g;
+                        const float *qh = qr + h * D;
+                        float s = 0.f;
 #pragma omp simd reduction(+ : s)
-                    for (int64_t d = 0; d < D; ++d) s += qh[d] * KV_LOAD(kh + d);
-                    scores[h * n + j] = s * scale;
+                        for (int64_t d = 0; d < D; ++d) s += qh[d] * KV_LOAD(kv + d);
+                        scores[h * n + j] = s * scale;
+                    }
                 }
             }
             for (int64_t h = 0; h < hpt; ++h) {
@@ -62,14 +103,21 @@ int NAME(const float *q, int64_t q_stride, float *out, const int64_t *rows,
             memset(acc, 0, sizeof(float) * hpt * D);
             for (int64_t j = 0, blk = first / block_size, off = first % block_size; j < n; ++j, ++off) {
                 if (off == block_size) { off = 0; ++blk; }
-                if (j == 0 || off == 0) vbase = v_cache + table[blk] * block_stride;
-                const KV_T *vp = vbase + (off * KVH + kh0) * D;
-                for (int64_t h = 0; h < hpt; ++h) {
-                    const float w = scores[h * n + j];
-                    const KV_T *vh = vp + (h / G) * D;
-                    float *ah = acc + h * D;
+                if (j == 0 || off == 0) {
+                    vbase = v_cache + table[blk] * block_stride;
+                    vnext = blk < last_blk ? v_cache + table[blk + 1] * block_stride : NULL;
+                }
+                const int64_t at = (off * KVH + kh0) * D;
+                if (vnext != NULL) PREFETCH_SPAN(vnext + at, span);
+                for (int64_t kh = 0; kh < kvh_per_task; ++kh) {
+                    const KV_T *vv = vbase + at + kh * D;
+                    for (int64_t g = 0; g < G; ++g) {
+                        const int64_t h = kh * G + g;
+                        const float w = scores[h * n + j];
+                        float *ah = acc + h * D;
 #pragma omp simd
-                    for (int64_t d = 0; d < D; ++d) ah[d] += w * KV_LOAD(vh + d);
+                        for (int64_t d = 0; d < D; ++d) ah[d] += w * KV_LOAD(vv + d);
+                    }
                 }
             }
             memcpy(out + (rows[r] * num_heads + kh0 * G) * D, acc, sizeof(float) * hpt * D);
@@ -79,3 +127,23 @@ int NAME(const float *q, int64_t q_stride, float *out, const int64_t *rows,
     }
     return failed ? -1 : 0;
 }
+
+int NAME(const float *q, int64_t q_stride, float *out, const int64_t *rows,
+         const KV_T *k_cache, const KV_T *v_cache, const int64_t *block_table,
+         int64_t table_stride, const int64_t *positions, int64_t num_rows, int64_t num_heads,
+         int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t window,
+         float scale, int64_t head_splits) {
+#define TANDEM_PAGED_DECODE_CALL(D)                                                              \
+    BODY(q, q_stride, out, rows, k_cache, v_cache, block_table, table_stride, positions,       \
+         num_rows, num_heads, num_kv_heads, D, block_size, window, scale, head_splits)
+    switch (head_dim) {
+        case 64: return TANDEM_PAGED_DECODE_CALL(64);
+        case 128: return TANDEM_PAGED_DECODE_CALL(128);
+        default: return TANDEM_PAGED_DECODE_CALL(head_dim);
+    }
+#undef TANDEM_PAGED_DECODE_CALL
+}
+#undef BODY
+#undef PREFETCH_SPAN
+#undef MAX_VECTORS
+#undef VECTOR_HEAD
