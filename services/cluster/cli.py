@@ -127,10 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from services.bench import compare, offline, request_path, spec, spec_placement, stream, transfer
+    from services.bench import attention, compare, offline, request_path, spec, spec_placement, stream, transfer
     from services.bench import serve as serve_bench
 
     for name, module, text in (("offline", offline, "engine throughput vs HF transformers"),
+                               ("attention", attention, "native decode attention's KV read rate vs a plain read"),
                                ("transfer", transfer, "KV transfer bandwidth and added TTFT"),
                                ("stream", stream, "per-token overhead and concurrent streams"),
                                ("serve", serve_bench, "TTFT/TPOT/goodput of a server under load"),

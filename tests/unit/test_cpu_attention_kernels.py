@@ -31,11 +31,12 @@ def _reference_prefill(q, k_cache, v_cache, table, first_row, start, n, window, 
     return outs
 
 
-def test_paged_decode_reads_a_bf16_cache():
+@pytest.mark.parametrize("d", [16, 64, 24])
+def test_paged_decode_reads_a_bf16_cache(d):
     gen = torch.Generator().manual_seed(3)
-    k_cache = torch.randn(50, 4, 2, 16, generator=gen).bfloat16()
-    v_cache = torch.randn(50, 4, 2, 16, generator=gen).bfloat16()
-    q = torch.randn(3, 4, 16, generator=gen)
+    k_cache = torch.randn(50, 4, 2, d, generator=gen).bfloat16()
+    v_cache = torch.randn(50, 4, 2, d, generator=gen).bfloat16()
+    q = torch.randn(3, 4, d, generator=gen)
     table = torch.randperm(50, generator=gen)[:15].view(3, 5)
     positions = torch.tensor([0, 9, 19])
     out = torch.empty_like(q)
@@ -94,3 +95,13 @@ def test_gemv_refuses_what_it_cannot_compute():
         kernels.gemv(x[:2], w.half(), None)
     with pytest.raises(ValueError, match="contiguous"):
         kernels.gemv(x[:2], w.t().contiguous().t(), None)
+
+
+def test_bench_attention_reports_the_read_rate(capsys):
+    from services.cluster.cli import main
+
+    assert main(["bench", "attention", "--rows", "3", "--context", "40", "--heads", "4", "--kv-heads", "2",
+                 "--head-dim", "64", "--layers", "2", "--repeats", "2", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "3 rows x 40 tokens, 4/2 heads of 64, 2 layers, float32 KV, 1 threads" in out
+    assert "0 MB of K/V at" in out and "for a streaming read" in out

@@ -1,0 +1,73 @@
+"""``tandem bench attention``: the native decode attention's read rate against a plain read.
+
+Decode attention reads every sequence's K and V once per layer, so at batch and context
+sizes past the caches it is bound by memory: the figure that matters is the rate at which it
+reads the cache, against what a streaming ``sum`` reads in the same run. The K/V blocks of
+each sequence are scattered over the cache as a long-running server's are (a random block
+table), one cache per layer so no layer finds the previous one's blocks in cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from services.bench import runinfo
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rows", type=int, default=32, help="decode rows (sequences) per step")
+    p.add_argument("--context", type=int, default=160, help="tokens each row attends")
+    p.add_argument("--heads", type=int, default=9)
+    p.add_argument("--kv-heads", type=int, default=3)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--layers", type=int, default=30, help="layers per timed step (distinct caches)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=15)
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+
+    from services.bench.offline import read_bandwidth_gbs
+    from services.engine.model import cpu_kernels
+
+    torch.set_num_threads(args.threads)
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        print("the native CPU kernels did not build on this machine: nothing to measure")
+        return 1
+    dtype = getattr(torch, args.kv_dtype)
+    rows, kvh, d, bs = args.rows, args.kv_heads, args.head_dim, args.block_size
+    per_row = -(-args.context // bs)
+    num_blocks = rows * per_row + 1
+    gen = torch.Generator().manual_seed(0)
+    table = torch.randperm(num_blocks, generator=gen)[:rows * per_row].view(rows, per_row)
+    caches = [(torch.randn(num_blocks, bs, kvh, d, generator=gen).to(dtype),
+               torch.randn(num_blocks, bs, kvh, d, generator=gen).to(dtype)) for _ in range(args.layers)]
+    q = torch.randn(rows, args.heads, d, generator=gen)  # [rows, H, D]
+    out = torch.empty_like(q)
+    token_rows = torch.arange(rows)
+    positions = torch.full((rows,), args.context - 1, dtype=torch.long)
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        for k_cache, v_cache in caches:
+            kernels.paged_decode(q, out, token_rows, k_cache, v_cache, table, positions, None, d ** -0.5)
+        return time.perf_counter() - t0
+
+    step()
+    times = [step() for _ in range(args.repeats)]
+    read = read_bandwidth_gbs()
+    kv_bytes = 2 * args.layers * rows * args.context * kvh * d * caches[0][0].element_size()
+    median = statistics.median(times)
+    print(runinfo.machine_line())
+    print(f"decode attention, {rows} rows x {args.context} tokens, {args.heads}/{kvh} heads of {d}, "
+          f"{args.layers} layers, {args.kv_dtype} KV, {args.threads} threads: "
+          f"{1e3 * median:.2f} ms [{1e3 * min(times):.2f}-{1e3 * max(times):.2f}] a step, "
+          f"{kv_bytes / 1e6:.0f} MB of K/V at {kv_bytes / median / 1e9:.1f} GB/s "
+          f"against {read:.1f} GB/s for a streaming read ({100 * kv_bytes / median / 1e9 / read:.0f}%)")
+    return 0
