@@ -73,7 +73,7 @@ class LLMEngine:
         self.eos_token_ids = tuple(sorted(set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         model = load_model(self.model_path, self.dtype, self.device, self.max_model_len,
                            use_onednn=config.onednn, use_cpu_kernels=config.cpu_kernels,
-                           quantization=config.quantization)
+                           quantization=config.quantization, weight_layout=config.cpu_weight_layout)
         cc = config.cache
         per_block = PagedKVCache.bytes_per_block(mc.num_layers, cc.block_size, mc.num_kv_heads,
                                                  mc.head_dim, self.dtype)

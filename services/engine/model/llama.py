@@ -88,17 +88,18 @@ class LlamaModel(nn.Module):
         """The residual stream's dtype (the norms'; fp32 on CPU whatever the weights')."""
         return self.norm.weight.dtype
 
-    def use_onednn(self, weight_dtype: torch.dtype = torch.float32, gemv: bool = True) -> None:
-        """CPU: every projection and the LM head as a ``CpuLinear`` (oneDNN, or the native
-        GEMV for decode-sized inputs; see onednn.py) with ``weight_dtype`` (fp32 or bf16)
-        weights, each stored once. The embedding table takes ``weight_dtype`` too (rows
+    def use_onednn(self, weight_dtype: torch.dtype = torch.float32, gemv: bool = True,
+                   blocked: bool = True) -> None:
+        """CPU: every projection and the LM head as a ``CpuLinear`` (oneDNN on fp32 weights in
+        its blocked layout; on plain ones, or the native GEMV for decode-sized inputs; see
+        onednn.py) with ``weight_dtype`` (fp32 or bf16) weights, each stored once. The embedding table takes ``weight_dtype`` too (rows
         are widened on lookup) and a tied head shares it. ``gemv=False``: oneDNN for every
-        input (no native kernel)."""
-        onednn.replace_linears(self, weight_dtype, gemv)
+        input (no native kernel); ``blocked=False``: fp32 weights plain too."""
+        onednn.replace_linears(self, weight_dtype, gemv, blocked)
         table = self.embed_tokens.weight
         table.data = table.data.to(weight_dtype)
         if self.lm_head is None:
-            self.lm_head = onednn.CpuLinear(table, None, weight_dtype, gemv)
+            self.lm_head = onednn.CpuLinear(table, None, weight_dtype, gemv, blocked, shared=True)
 
     def use_int8(self) -> int:
         """Weight-only int8 (per output channel) projections and LM head; returns how many."""
@@ -116,9 +117,9 @@ class LlamaModel(nn.Module):
         tensors += [t for m in self.modules() if hasattr(m, "weight_tensors") for t in m.weight_tensors()]
         table = self.embed_tokens.weight
         head = getattr(self.lm_head, "weight", None)
-        skip = set() if include_embedding or (head is not None and head.data_ptr() == table.data_ptr()) \
-            else {table.data_ptr()}
-        stored = {t.data_ptr(): t.numel() * t.element_size() for t in tensors}
+        skip = set() if include_embedding or (head is not None and _storage_key(head) == _storage_key(table)) \
+            else {_storage_key(table)}
+        stored = {_storage_key(t): t.numel() * t.element_size() for t in tensors}
         return sum(n for ptr, n in stored.items() if ptr not in skip)
 
     def use_cpu_kernels(self) -> bool:
@@ -167,3 +168,9 @@ class LlamaModel(nn.Module):
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
         return F.linear(hidden, self.embed_tokens.weight).float()
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    """What identifies ``t``'s memory: its data pointer, or the tensor itself for an opaque
+    (oneDNN blocked) one, which no other tensor shares."""
+    return id(t) if t.is_mkldnn else t.data_ptr()

@@ -49,11 +49,13 @@ def fp32_activations(dtype: torch.dtype, device: torch.device, use_onednn: bool,
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
                max_positions: int, use_onednn: bool = True,
-               use_cpu_kernels: bool = True, quantization: str | None = None) -> LlamaModel:
+               use_cpu_kernels: bool = True, quantization: str | None = None,
+               weight_layout: str = "blocked") -> LlamaModel:
     """Build the model on ``device`` with ``dtype`` weights and fill it from ``*.safetensors``.
 
-    On CPU the activations stay fp32 where ``fp32_activations`` says so (weights packed
-    for oneDNN in ``dtype``, or int8 with ``quantization="int8"``); a bf16 model on a
+    On CPU the activations stay fp32 where ``fp32_activations`` says so (weights for oneDNN
+    in ``dtype``, fp32 ones in its blocked ``weight_layout``, or int8 with
+    ``quantization="int8"``); a bf16 model on a
     CPU without native bf16 runs wholly in bf16 on the torch path, with a warning.
     Raises ``FileNotFoundError`` / ``ValueError`` naming what is missing or unknown.
     """
@@ -106,7 +108,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
     if quantization == "int8":
         model.use_int8()
     elif mixed and use_onednn and onednn.available(device):
-        model.use_onednn(dtype, gemv=use_cpu_kernels)
+        model.use_onednn(dtype, gemv=use_cpu_kernels, blocked=weight_layout == "blocked")
     if mixed and dtype != torch.float32:  # the lookup table too (rows widened on lookup)
         model.embed_tokens.weight.data = model.embed_tokens.weight.data.to(dtype)
     if use_cpu_kernels:

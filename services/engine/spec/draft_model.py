@@ -92,7 +92,7 @@ class DraftModelProposer:
     def __init__(self, path: str, target: ModelConfig, kv: KVCacheManager, num_blocks: int,
                  dtype: torch.dtype, device: torch.device, max_model_len: int,
                  use_onednn: bool = True, use_cpu_kernels: bool = True,
-                 prefill_chunk: int = 64, max_draft: int = 8) -> None:
+                 prefill_chunk: int = 64, max_draft: int = 8, weight_layout: str = "blocked") -> None:
         mc = ModelConfig.from_dir(path)
         if mc.vocab_size != target.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({mc.vocab_size} tokens) differs "
@@ -103,7 +103,7 @@ class DraftModelProposer:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         model = load_model(path, dtype, device, max_model_len, use_onednn=use_onednn,
-                           use_cpu_kernels=use_cpu_kernels)
+                           use_cpu_kernels=use_cpu_kernels, weight_layout=weight_layout)
         cache = PagedKVCache(mc.num_layers, num_blocks, kv.block_size, mc.num_kv_heads,
                              mc.head_dim, dtype, device)
         self.runner = ModelRunner(model, cache, Sampler(0), ())

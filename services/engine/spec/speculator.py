@@ -158,5 +158,6 @@ def make_speculator(config: EngineConfig, target: ModelConfig, kv: KVCacheManage
     proposer = None if spec.method == "ngram" else DraftModelProposer(
         spec.draft_model, target, kv, num_blocks, dtype, torch.device(config.device),
         max_model_len, use_onednn=config.onednn, use_cpu_kernels=config.cpu_kernels,
-        prefill_chunk=spec.draft_prefill_chunk, max_draft=spec.num_speculative_tokens)
+        prefill_chunk=spec.draft_prefill_chunk, max_draft=spec.num_speculative_tokens,
+        weight_layout=config.cpu_weight_layout)
     return Speculator(spec, proposer)
