@@ -5,13 +5,23 @@
 #define TANDEM_CAT(a, b) TANDEM_CAT2(a, b)
 #define BODY TANDEM_CAT(NAME, _body)
 #define PREFETCH_SPAN TANDEM_CAT(NAME, _prefetch_span)
+#define ENTER_BLOCK TANDEM_CAT(NAME, _enter_block)
 
-/* Touch the lines of ``span`` elements from ``p`` (the same keys' slice of the next block),
+/* Touch the lines of ``span`` elements at ``at`` in the next block (the same keys' slice),
  * so a block is in cache when the loop reaches it: blocks lie anywhere in the cache, and
  * the hardware prefetcher stops at each page. */
-static inline void PREFETCH_SPAN(const KV_T *p, int64_t span) {
-    const char *c = (const char *)p;
+static inline void PREFETCH_SPAN(const KV_T *next, int64_t at, int64_t span) {
+    if (next == NULL) return;
+    const char *c = (const char *)(next + at);
     for (int64_t b = 0; b < span * (int64_t)sizeof(KV_T); b += 64) __builtin_prefetch(c + b, 0, 3);
+}
+
+/* At a block's first key: the block (``*base``) and the sequence's next one (``*next``, NULL
+ * after its last block ``last_blk``). */
+static inline void ENTER_BLOCK(const KV_T *cache, const int64_t *table, int64_t blk, int64_t last_blk,
+                               int64_t block_stride, const KV_T **base, const KV_T **next) {
+    *base = cache + table[blk] * block_stride;
+    *next = blk < last_blk ? cache + table[blk + 1] * block_stride : NULL;
 }
 
 /* Head sizes whose keys the AVX-512 path holds in registers (16 floats a vector). */
@@ -54,12 +64,9 @@ static inline __attribute__((always_inline)) int BODY(
             /* pass 1: scores[h][j] = q_h . k_j * scale, key rows read in cache order */
             for (int64_t j = 0, blk = first / block_size, off = first % block_size; j < n; ++j, ++off) {
                 if (off == block_size) { off = 0; ++blk; }
-                if (j == 0 || off == 0) {
-                    kbase = k_cache + table[blk] * block_stride;
-                    knext = blk < last_blk ? k_cache + table[blk + 1] * block_stride : NULL;
-                }
+                if (j == 0 || off == 0) ENTER_BLOCK(k_cache, table, blk, last_blk, block_stride, &kbase, &knext);
                 const int64_t at = (off * KVH + kh0) * D;
-                if (knext != NULL) PREFETCH_SPAN(knext + at, span);
+                PREFETCH_SPAN(knext, at, span);
                 for (int64_t kh = 0; kh < kvh_per_task; ++kh) {
                     const KV_T *kv = kbase + at + kh * D;
 #if defined(__AVX512F__)
@@ -103,12 +110,9 @@ static inline __attribute__((always_inline)) int BODY(
             memset(acc, 0, sizeof(float) * hpt * D);
             for (int64_t j = 0, blk = first / block_size, off = first % block_size; j < n; ++j, ++off) {
                 if (off == block_size) { off = 0; ++blk; }
-                if (j == 0 || off == 0) {
-                    vbase = v_cache + table[blk] * block_stride;
-                    vnext = blk < last_blk ? v_cache + table[blk + 1] * block_stride : NULL;
-                }
+                if (j == 0 || off == 0) ENTER_BLOCK(v_cache, table, blk, last_blk, block_stride, &vbase, &vnext);
                 const int64_t at = (off * KVH + kh0) * D;
-                if (vnext != NULL) PREFETCH_SPAN(vnext + at, span);
+                PREFETCH_SPAN(vnext, at, span);
                 for (int64_t kh = 0; kh < kvh_per_task; ++kh) {
                     const KV_T *vv = vbase + at + kh * D;
                     for (int64_t g = 0; g < G; ++g) {
@@ -145,5 +149,6 @@ int NAME(const float *q, int64_t q_stride, float *out, const int64_t *rows,
 }
 #undef BODY
 #undef PREFETCH_SPAN
+#undef ENTER_BLOCK
 #undef MAX_VECTORS
 #undef VECTOR_HEAD
