@@ -58,7 +58,7 @@ def test_fp32_keeps_one_weight_copy(fp32_llm):
     assert dense_2d == ["embed_tokens.weight"]  # the lookup table; projections only in CpuLinear
     table = model.embed_tokens.weight
     if model.config.tie_word_embeddings:  # the head is the table: stored once, read every step
-        assert model.lm_head.weight.data_ptr() == table.data_ptr() and not model.lm_head.packed
+        assert model.lm_head.weight.data_ptr() == table.data_ptr() and not model.lm_head.blocked
         assert model.weight_bytes() == model.weight_bytes(include_embedding=False)
     else:
         assert model.weight_bytes() - model.weight_bytes(include_embedding=False) \
@@ -131,15 +131,15 @@ def test_fp32_weights_are_blocked_and_plain_ones_use_the_gemv_unless_native_kern
     off = _llm(checkpoint, dtype="float32", cpu_kernels=False).engine.runner.model
     for model in (on, off):
         layers = [m for m in model.layers.modules() if isinstance(m, CpuLinear)]
-        assert layers and all(m.packed and m.weight.is_mkldnn and m.gemv_rows == 0 for m in layers)
+        assert layers and all(m.blocked and m.weight.is_mkldnn and m.gemv_rows == 0 for m in layers)
     # a tied head stays the plain table (the GEMV's); the checkpoint's own head is blocked
-    assert on.lm_head.packed != on.config.tie_word_embeddings
-    assert on.lm_head.gemv_rows == (0 if on.lm_head.packed else 4) and off.lm_head.gemv_rows == 0
+    assert on.lm_head.blocked != on.config.tie_word_embeddings
+    assert on.lm_head.gemv_rows == (0 if on.lm_head.blocked else 4) and off.lm_head.gemv_rows == 0
     x = torch.randn(3, on.config.hidden_size)  # the same product either way, to float rounding
     torch.testing.assert_close(on.lm_head(x), off.lm_head(x), atol=1e-4, rtol=1e-4)
     plain = _llm(checkpoint, dtype="float32", cpu_weight_layout="plain").engine.runner.model
     linears = [m for m in plain.modules() if isinstance(m, CpuLinear)]
-    assert linears and all(not m.packed and not m.weight.is_mkldnn and m.gemv_rows == 4 for m in linears)
+    assert linears and all(not m.blocked and not m.weight.is_mkldnn and m.gemv_rows == 4 for m in linears)
     torch.testing.assert_close(plain.lm_head(x), on.lm_head(x), atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="cpu_weight_layout must be one of blocked, plain"):
         _llm(checkpoint, cpu_weight_layout="packed")
@@ -150,7 +150,7 @@ def test_a_blocked_fp32_layer_computes_the_plain_product(shared):
     gen = torch.Generator().manual_seed(1)
     w, b = torch.randn(300, 64, generator=gen), torch.randn(300, generator=gen)
     layer = CpuLinear(w, b, torch.float32, shared=shared)
-    assert layer.packed != shared and layer.weight.is_mkldnn != shared
+    assert layer.blocked != shared and layer.weight.is_mkldnn != shared
     if shared:
         assert layer.weight.data_ptr() == w.data_ptr()
     for rows in (1, 3, 40):

@@ -90,11 +90,12 @@ class LlamaModel(nn.Module):
 
     def use_onednn(self, weight_dtype: torch.dtype = torch.float32, gemv: bool = True,
                    blocked: bool = True) -> None:
-        """CPU: every projection and the LM head as a ``CpuLinear`` (oneDNN on fp32 weights in
-        its blocked layout; on plain ones, or the native GEMV for decode-sized inputs; see
-        onednn.py) with ``weight_dtype`` (fp32 or bf16) weights, each stored once. The embedding table takes ``weight_dtype`` too (rows
-        are widened on lookup) and a tied head shares it. ``gemv=False``: oneDNN for every
-        input (no native kernel); ``blocked=False``: fp32 weights plain too."""
+        """CPU: every projection and the LM head as a ``CpuLinear`` with ``weight_dtype`` (fp32
+        or bf16) weights, each stored once: oneDNN on fp32 weights in its blocked layout;
+        on plain ones oneDNN, or the native GEMV for decode-sized inputs (see onednn.py).
+        The embedding table takes ``weight_dtype`` too (rows are widened on lookup) and a
+        tied head shares it, plain. ``gemv=False``: oneDNN for every input (no native
+        kernel); ``blocked=False``: fp32 weights plain too."""
         onednn.replace_linears(self, weight_dtype, gemv, blocked)
         table = self.embed_tokens.weight
         table.data = table.data.to(weight_dtype)
@@ -117,8 +118,8 @@ class LlamaModel(nn.Module):
         tensors += [t for m in self.modules() if hasattr(m, "weight_tensors") for t in m.weight_tensors()]
         table = self.embed_tokens.weight
         head = getattr(self.lm_head, "weight", None)
-        skip = set() if include_embedding or (head is not None and _storage_key(head) == _storage_key(table)) \
-            else {_storage_key(table)}
+        tied = head is not None and _storage_key(head) == _storage_key(table)
+        skip = set() if include_embedding or tied else {_storage_key(table)}
         stored = {_storage_key(t): t.numel() * t.element_size() for t in tensors}
         return sum(n for ptr, n in stored.items() if ptr not in skip)
 

@@ -6,9 +6,10 @@ With fp32 weights it runs them on a weight reordered once into its blocked layou
 (``_reorder_linear_weight``): over a whole model's layers, whose weights no cache
 holds, a decode step of 4-64 rows ran its products 1.2-1.45x faster than on the
 plain layout, prompt chunks 1.04-1.05x. The native GEMV (``cpu_kernels.gemv``,
-``csrc/gemv.c``) needs the plain layout; it streams weights for one or two rows
-7-12% faster than oneDNN on the blocked layout, but each weight is stored once, so
-fp32 layers take the blocked layout and oneDNN for every input. A weight that must
+``csrc/gemv.c``) needs the plain layout and runs one or two rows faster than oneDNN
+on the blocked one (SmolLM2-135M's batch-1 step: 29.7 vs 36.9 ms), but each weight
+is stored once: fp32 layers take the blocked layout and oneDNN for every input
+(``blocked=False``, ``--cpu-weight-layout plain``: the plain layout and the GEMV). A weight that must
 stay plain keeps the GEMV for decode-sized inputs: a tied LM head (it is the
 embedding table) and bf16 weights (CPUs with AVX-512 BF16 or AMX), whose blocked
 layout was not measured.
@@ -48,15 +49,15 @@ class CpuLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         plain = weight.detach().to(dtype).contiguous()  # no copy when ``weight`` already is one
-        self.packed = blocked and dtype == torch.float32 and not shared
+        self.blocked = blocked and dtype == torch.float32 and not shared
         # [out, in]: plain, or oneDNN's blocked layout (an opaque tensor)
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(plain, None) if self.packed else plain
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(plain, None) if self.blocked else plain
         # oneDNN adds the bias in ``dtype``; the GEMV gets the same values widened (one
         # tensor for fp32)
         self.onednn_bias = None if bias is None else bias.detach().to(dtype).clone()
         self.bias = None if self.onednn_bias is None else self.onednn_bias.float()
         # None: oneDNN for every input
-        self.kernels = cpu_kernels.load() if gemv and not self.packed else None
+        self.kernels = cpu_kernels.load() if gemv and not self.blocked else None
         self.gemv_rows = GEMV_MAX_ROWS.get(dtype, 0) if self.kernels is not None else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -80,7 +81,7 @@ class CpuLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, " \
-               f"dtype={self.weight.dtype}, packed={self.packed}"
+               f"dtype={self.weight.dtype}, blocked={self.blocked}"
 
 
 def replace_linears(model: nn.Module, dtype: torch.dtype = torch.float32, gemv: bool = True,
