@@ -71,6 +71,7 @@ def test_bf16_weights_and_kv_stay_close_to_fp32(checkpoint, fp32_llm):
     model = low.engine.runner.model
     assert low.engine.kv_cache.kv.dtype == torch.bfloat16
     assert {m.weight.dtype for m in model.modules() if isinstance(m, CpuLinear)} == {torch.bfloat16}
+    assert all(m.blocked and m.gemv_rows == 0 for m in model.layers.modules() if isinstance(m, CpuLinear))
     assert model.act_dtype == torch.float32
     assert model.weight_bytes() < 0.55 * fp32_llm.engine.runner.model.weight_bytes()
     agreement, gap = _closeness(low, fp32_llm)

@@ -91,11 +91,11 @@ class LlamaModel(nn.Module):
     def use_onednn(self, weight_dtype: torch.dtype = torch.float32, gemv: bool = True,
                    blocked: bool = True) -> None:
         """CPU: every projection and the LM head as a ``CpuLinear`` with ``weight_dtype`` (fp32
-        or bf16) weights, each stored once: oneDNN on fp32 weights in its blocked layout;
-        on plain ones oneDNN, or the native GEMV for decode-sized inputs (see onednn.py).
+        or bf16) weights, each stored once: oneDNN on weights in its blocked layout; on
+        plain ones oneDNN, or the native GEMV for decode-sized inputs (see onednn.py).
         The embedding table takes ``weight_dtype`` too (rows are widened on lookup) and a
         tied head shares it, plain. ``gemv=False``: oneDNN for every input (no native
-        kernel); ``blocked=False``: fp32 weights plain too."""
+        kernel); ``blocked=False``: weights plain too."""
         onednn.replace_linears(self, weight_dtype, gemv, blocked)
         table = self.embed_tokens.weight
         table.data = table.data.to(weight_dtype)

@@ -54,7 +54,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
     """Build the model on ``device`` with ``dtype`` weights and fill it from ``*.safetensors``.
 
     On CPU the activations stay fp32 where ``fp32_activations`` says so (weights for oneDNN
-    in ``dtype``, fp32 ones in its blocked ``weight_layout``, or int8 with
+    in ``dtype`` and its ``weight_layout``, or int8 with
     ``quantization="int8"``); a bf16 model on a
     CPU without native bf16 runs wholly in bf16 on the torch path, with a warning.
     Raises ``FileNotFoundError`` / ``ValueError`` naming what is missing or unknown.

@@ -2,17 +2,16 @@
 
 ``torch.nn.functional.linear`` on CPU (MKL) runs the products of a serving step
 at ~120-190 GFLOP/s here; oneDNN's ``_linear_pointwise`` runs them at ~150-220.
-With fp32 weights it runs them on a weight reordered once into its blocked layout
+It runs them on a weight reordered once into its blocked layout
 (``_reorder_linear_weight``): over a whole model's layers, whose weights no cache
 holds, a decode step of 4-64 rows ran its products 1.2-1.45x faster than on the
-plain layout, prompt chunks 1.04-1.05x. The native GEMV (``cpu_kernels.gemv``,
-``csrc/gemv.c``) needs the plain layout and runs one or two rows faster than oneDNN
-on the blocked one (SmolLM2-135M's batch-1 step: 29.7 vs 36.9 ms), but each weight
-is stored once: fp32 layers take the blocked layout and oneDNN for every input
-(``blocked=False``, ``--cpu-weight-layout plain``: the plain layout and the GEMV). A weight that must
-stay plain keeps the GEMV for decode-sized inputs: a tied LM head (it is the
-embedding table) and bf16 weights (CPUs with AVX-512 BF16 or AMX), whose blocked
-layout was not measured.
+plain layout in fp32 (1.5-2x in bf16), prompt chunks 1.04-1.14x. The native GEMV
+(``cpu_kernels.gemv``, ``csrc/gemv.c``) needs the plain layout; in fp32 it runs one
+or two rows faster than oneDNN on the blocked one (SmolLM2-135M's batch-1 step: 29.7
+vs 36.9 ms), in bf16 as fast. Each weight is stored once: layers take the blocked
+layout and oneDNN for every input (``blocked=False``, ``--cpu-weight-layout plain``:
+the plain layout, and the GEMV for decode-sized inputs). A tied LM head is the
+embedding table, so it stays plain and keeps the GEMV.
 
 Activations stay fp32; with bf16 weights the input is rounded to bf16 for the
 product (oneDNN's, or the GEMV's, which widens both to fp32) and the output to bf16,
@@ -43,13 +42,13 @@ class CpuLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
                  dtype: torch.dtype = torch.float32, gemv: bool = True, blocked: bool = True,
                  shared: bool = False) -> None:
-        """``weight [out, in]``; ``blocked``: an fp32 weight in oneDNN's blocked layout;
+        """``weight [out, in]``; ``blocked``: in oneDNN's blocked layout;
         ``shared``: it is also read elsewhere (a tied LM head's embedding table), so it
         stays plain and is not copied."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
         plain = weight.detach().to(dtype).contiguous()  # no copy when ``weight`` already is one
-        self.blocked = blocked and dtype == torch.float32 and not shared
+        self.blocked = blocked and not shared
         # [out, in]: plain, or oneDNN's blocked layout (an opaque tensor)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(plain, None) if self.blocked else plain
         # oneDNN adds the bias in ``dtype``; the GEMV gets the same values widened (one
@@ -87,7 +86,7 @@ class CpuLinear(nn.Module):
 def replace_linears(model: nn.Module, dtype: torch.dtype = torch.float32, gemv: bool = True,
                     blocked: bool = True) -> int:
     """Replace every ``nn.Linear`` of ``model`` by a ``CpuLinear`` (``gemv``: decode-sized
-    inputs on the native GEMV where the weight is plain; ``blocked``: fp32 weights in
+    inputs on the native GEMV where the weight is plain; ``blocked``: weights in
     oneDNN's layout); returns how many."""
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children() if isinstance(child, nn.Linear)]
