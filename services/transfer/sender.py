@@ -90,6 +90,7 @@ class KVSender:
         self._failed: set[str] = set()
         self.bytes_sent = 0
         self._closed = False
+        self._closing = threading.Lock()  # no job is queued behind the stop sentinel
         self._thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
         self._completer = threading.Thread(target=self._complete, name="kv-send-done",
                                            daemon=True)
@@ -97,19 +98,22 @@ class KVSender:
         self._completer.start()
 
     def submit(self, job: SendJob) -> None:
-        if self._closed:  # the group is gone: the transfer fails at once
-            if job.final:
-                self._on_done(SendReport(job.transfer_id, False, "sender closed", 0, 0.0))
-            return
-        self._jobs.put(job)
+        with self._closing:
+            if not self._closed:
+                self._jobs.put(job)
+                return
+        if job.final:  # the group is gone: the transfer fails at once
+            self._on_done(SendReport(job.transfer_id, False, "sender closed", 0, 0.0))
 
-    def close(self) -> None:
-        """Stop after the queued jobs (which fail fast once peers have left)."""
-        self._closed = True
-        self._jobs.put(None)
-        self._thread.join(timeout=10)
-        self._completions.put(None)
-        self._completer.join(timeout=10)
+    def close(self, wait_s: float = 10.0) -> None:
+        """Stop after the queued jobs (which fail fast once peers have left). Every
+        transfer submitted is still reported once, even one whose send outlasts
+        ``wait_s``: the completion thread stops only after the sending thread did."""
+        with self._closing:
+            self._closed = True
+            self._jobs.put(None)
+        self._thread.join(timeout=wait_s)
+        self._completer.join(timeout=wait_s)
 
     def _run(self) -> None:
         while True:
@@ -119,8 +123,13 @@ class KVSender:
                 self._heartbeat()
                 continue
             if job is None:
+                self._completions.put(None)  # after every completion this thread queued
                 return
-            self._run_job(job)
+            try:
+                self._run_job(job)
+            except Exception as e:  # noqa: BLE001 - a bug must not strand later transfers
+                log.exception("KV send %s group %d", job.transfer_id, job.layer_group)
+                self._fail(job, e, 0, None)
 
     def _run_job(self, job: SendJob) -> None:
         tid, sync = job.transfer_id, self.sync
@@ -131,10 +140,7 @@ class KVSender:
         try:
             stream = self.channel.stream(job.dst_rank)
         except ValueError as e:  # not a peer of this rank: nothing was queued for it
-            if not job.final:
-                self._failed.add(tid)
-            self._progress.pop(tid, None)
-            self._completions.put((SendReport(tid, False, str(e), 0, 0.0), None, None))
+            self._fail(job, e, 0, None)
             return
         with sync.use(stream):
             if job.ready is not None:
@@ -144,18 +150,23 @@ class KVSender:
                 sent += self._send(job)
             except Exception as e:  # dead peer, broken group, timeout
                 log.warning("KV send %s group %d failed: %s", tid, job.layer_group, e)
-                if not job.final:
-                    self._failed.add(tid)
-                self._progress.pop(tid, None)
                 # freed once the sends already queued for it are off the device
-                self._completions.put((SendReport(tid, False, f"{type(e).__name__}: {e}", sent,
-                                                  0.0), None, sync.record_event(stream)))
+                self._fail(job, e, sent, sync.record_event(stream))
                 return
             self._progress[tid] = (start, sent)
             if job.final:
                 self._progress.pop(tid, None)
                 end = sync.record_event(stream, timing=True)
                 self._completions.put((SendReport(tid, True, None, sent, 0.0), start, end))
+
+    def _fail(self, job: SendJob, error: Exception, sent: int, end: Any) -> None:
+        """Report ``job``'s transfer failed (once ``end`` completed); skip its later groups."""
+        tid = job.transfer_id
+        if not job.final:
+            self._failed.add(tid)
+        self._progress.pop(tid, None)
+        self._completions.put((SendReport(tid, False, f"{type(error).__name__}: {error}", sent,
+                                          0.0), None, end))
 
     def _complete(self) -> None:
         """Report each transfer once its sends completed on the device (FIFO: the events
