@@ -214,7 +214,6 @@ class ModelRunner:
         if not entries:
             return None
         dev, bs = self.device, self.block_size
-        b = len(entries)
         q_len = max(e[2] for e in entries)
         max_blocks = max(-(-(e[1] + e[2]) // bs) for e in entries)
         pad = [0] * max_blocks
@@ -244,7 +243,10 @@ class ModelRunner:
             token_rows=token_index[valid].to(dev),
             block_table=table.to(dev),
             last_pos=(starts + lens - 1).to(dev),
-            mask=mask)
+            mask=mask,
+            first_row=offsets.to(dev),
+            first_pos=starts.to(dev),
+            query_len=lens.to(dev))
 
 
 def _same_shape(chunks: list[Entry]) -> list[list[Entry]]:

@@ -35,6 +35,9 @@ class AttentionGroup:
     mask: torch.Tensor | None  # [B, 1, Q, K] bool, True = may attend; None = causal
     # None mask: every sequence's Q queries are its first Q positions, so plain causal
     # attention over the first Q keys is exact (SDPA skips the upper triangle's tiles)
+    first_row: torch.Tensor  # [B] long: flat token row of each sequence's first query
+    first_pos: torch.Tensor  # [B] long: position of each sequence's first query
+    query_len: torch.Tensor  # [B] long: real queries of each sequence (its rows are consecutive)
 
 
 @dataclass
@@ -79,8 +82,9 @@ class AttentionBackend(Protocol):
 class TorchPagedAttention:
     """Gather each group's blocks by block table, then one masked SDPA per group.
 
-    With ``kernels`` (CPU, fp32 activations, fp32 or bf16 KV), decode groups
-    skip the gather: the native kernel reads each sequence's blocks where they lie.
+    With ``kernels`` (CPU, fp32 activations, fp32 or bf16 KV), no group is gathered:
+    native kernels read each sequence's blocks where they lie, one for decode rows and
+    one for prompt chunks (where the CPU and head size allow; SDPA otherwise).
     """
 
     uses_varlen = False
@@ -107,6 +111,11 @@ class TorchPagedAttention:
                 self.kernels.paged_decode(q, out, g.token_rows, k_cache, v_cache,
                                           g.block_table, g.last_pos, self.sliding_window,
                                           self.scale)
+                continue
+            if native and self.kernels.prefill_supported(head_dim):
+                self.kernels.paged_prefill(q, out, g.first_row, g.first_pos, g.query_len,
+                                           k_cache, v_cache, g.block_table,
+                                           self.sliding_window, self.scale)
                 continue
             o = self._group(q, k_cache, v_cache, g)  # [B, Q, H, D]
             o = o.reshape(-1, o.shape[2], o.shape[3])

@@ -30,8 +30,9 @@ from services.common.cache_dir import cache_dir
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("paged_decode.c", "fused_ops.c", "int8_linear.c", "gemv.c")
-_HEADERS = ("vexp.h", "team.h", "kv_load.h", "paged_decode_impl.h")
+_SOURCES = ("paged_decode.c", "paged_prefill.c", "fused_ops.c", "int8_linear.c", "gemv.c")
+_HEADERS = ("vexp.h", "vexp512.h", "team.h", "kv_load.h", "paged_decode_impl.h",
+            "paged_prefill_impl.h")
 _KV_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-fPIC",
           "-shared", "-std=c11"]
@@ -50,6 +51,17 @@ class CpuKernels:
             fn.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64,
                            _i64, _i64, _i64, _i64, _i64, _f32, _i64]
             self._decode[dtype] = fn
+        self._prefill = {}
+        for dtype, suffix in _KV_DTYPES.items():
+            fn = getattr(lib, f"tandem_paged_prefill_{suffix}")
+            fn.restype = ctypes.c_int
+            fn.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64,
+                           _i64, _i64, _i64, _i64, _i64, _f32]
+            self._prefill[dtype] = fn
+        supported = lib.tandem_paged_prefill_supported
+        supported.restype = ctypes.c_int
+        supported.argtypes = [_i64]
+        self._prefill_heads = {d: bool(supported(d)) for d in range(1, 513)}
         self._int8_linear = lib.tandem_int8_linear_f32
         self._int8_linear.restype = ctypes.c_int
         self._int8_linear.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]
@@ -127,6 +139,40 @@ class CpuKernels:
                           _head_splits(rows.shape[0], kv_heads))
         if rc != 0:
             raise MemoryError("paged_decode could not allocate its scratch buffers")
+
+    def prefill_supported(self, head_dim: int) -> bool:
+        """Whether ``paged_prefill`` runs here (AVX-512 and a head size a multiple of 16)."""
+        return self._prefill_heads.get(head_dim, False)
+
+    def paged_prefill(self, q: torch.Tensor, out: torch.Tensor, first_rows: torch.Tensor,
+                      first_positions: torch.Tensor, num_queries: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                      window: int | None, scale: float) -> None:
+        """Causal attention of prompt chunks over their paged keys, writing ``out``.
+
+        Sequence ``b`` has ``num_queries[b]`` queries at token rows ``first_rows[b] ..``
+        and positions ``first_positions[b] ..``; a query at position ``p`` attends keys
+        ``(p - window, p]`` when ``window`` is set, else ``[0, p]``.
+        ``q [T, H, D]`` fp32 (rows may be strided), ``out [T, H, D]`` fp32;
+        ``first_rows, first_positions, num_queries [B]`` int64;
+        ``k_cache, v_cache [blocks, block_size, KVH, D]`` fp32 or bf16;
+        ``block_table [B, max_blocks]`` int64. Needs ``prefill_supported(D)``.
+        """
+        _check_f32(out)
+        _check_kv(k_cache, v_cache)
+        _check_dense_heads(q)
+        _check_indices(first_rows, first_positions, num_queries, block_table)
+        _, heads, head_dim = q.shape
+        _, block_size, kv_heads, _ = k_cache.shape
+        if not self.prefill_supported(head_dim):
+            raise ValueError(f"paged_prefill does not run head size {head_dim} on this CPU")
+        rc = self._prefill[k_cache.dtype](
+            q.data_ptr(), q.stride(0), out.data_ptr(), first_rows.data_ptr(),
+            first_positions.data_ptr(), num_queries.data_ptr(), num_queries.shape[0],
+            k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(), block_table.shape[1],
+            heads, kv_heads, head_dim, block_size, window or 0, scale)
+        if rc != 0:
+            raise MemoryError("paged_prefill could not allocate its scratch buffers")
 
     def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x [M, K] @ weight [N, K].T + bias [N]`` for ``M <= GEMV_MAX_ROWS``, fp32 ``[M, N]``.

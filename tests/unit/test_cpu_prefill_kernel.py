@@ -1,0 +1,110 @@
+"""The native prefill attention kernel against gather + masked SDPA: prompt chunks of
+several sequences in one call (their own starts, lengths and scattered blocks), causal
+and sliding-window masks, grouped and plain heads, fp32 and bf16 caches, and the
+attention backend choosing it for prompt groups."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine.model import cpu_kernels
+from services.engine.model.attention import AttentionGroup, AttentionMetadata, TorchPagedAttention
+from tests.unit.test_cpu_attention_kernels import _reference_prefill
+
+kernels = cpu_kernels.load()
+pytestmark = pytest.mark.skipif(kernels is None or not kernels.prefill_supported(64),
+                                reason="no C compiler or no AVX-512 on this machine")
+
+
+def _case(heads, kv_heads, d, dtype, block_size, starts, lens, seed=0):
+    """A fused qkv batch (q a strided view), caches and a scattered block table."""
+    gen = torch.Generator().manual_seed(seed)
+    max_blocks = max(-(-(s + n) // block_size) for s, n in zip(starts, lens))
+    num_blocks = len(starts) * max_blocks + 3
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, d, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, d, generator=gen).to(dtype)
+    table = torch.randperm(num_blocks, generator=gen)[:len(starts) * max_blocks]
+    table = table.view(len(starts), max_blocks).contiguous()
+    rows = sum(lens) + 2  # two rows of other tokens, left alone
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * d, generator=gen)
+    q = qkv[:, :heads * d].view(rows, heads, d)
+    first_rows = torch.tensor([1 + sum(lens[:i]) for i in range(len(lens))])
+    return q, k_cache, v_cache, table, first_rows
+
+
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 128), (8, 2, 80), (8, 1, 32),
+                                              (6, 2, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 23])
+def test_paged_prefill_matches_gather_and_sdpa(heads, kv_heads, d, dtype, window):
+    starts, lens = [0, 37, 5, 0], [150, 64, 1, 17]  # whole prompts and later chunks
+    q, k_cache, v_cache, table, first_rows = _case(heads, kv_heads, d, dtype, 16, starts, lens)
+    out = torch.full_like(q, float("nan"))
+    kernels.paged_prefill(q, out, first_rows, torch.tensor(starts), torch.tensor(lens),
+                          k_cache, v_cache, table, window, d ** -0.5)
+    ref = _reference_prefill(q, k_cache, v_cache, table, first_rows.tolist(), starts, lens,
+                             window, d ** -0.5)
+    torch.testing.assert_close(out[1:-1], torch.cat(ref), atol=2e-5, rtol=1e-4)
+    assert out[0].isnan().all() and out[-1].isnan().all()
+
+
+def test_paged_prefill_with_odd_block_sizes_and_long_chunks():
+    """Key tiles that cross blocks of 5, a chunk far into its sequence, several query tiles."""
+    starts, lens = [300, 0], [200, 333]
+    q, k_cache, v_cache, table, first_rows = _case(6, 2, 64, torch.float32, 5, starts, lens,
+                                                   seed=4)
+    out = torch.empty_like(q)
+    kernels.paged_prefill(q, out, first_rows, torch.tensor(starts), torch.tensor(lens),
+                          k_cache, v_cache, table, None, 0.3)
+    ref = _reference_prefill(q, k_cache, v_cache, table, first_rows.tolist(), starts, lens,
+                             None, 0.3)
+    torch.testing.assert_close(out[1:-1], torch.cat(ref), atol=2e-5, rtol=1e-4)
+
+
+def test_paged_prefill_refuses_what_it_cannot_compute():
+    assert not kernels.prefill_supported(40) and kernels.prefill_supported(128)
+    q, k_cache, v_cache, table, first_rows = _case(4, 2, 40, torch.float32, 16, [0], [8])
+    one = torch.tensor([0])
+    with pytest.raises(ValueError, match="head size 40"):
+        kernels.paged_prefill(q, torch.empty_like(q), first_rows, one, torch.tensor([8]),
+                              k_cache, v_cache, table, None, 1.0)
+    q, k_cache, v_cache, table, first_rows = _case(4, 2, 64, torch.float32, 16, [0], [8])
+    with pytest.raises(ValueError, match="int64"):
+        kernels.paged_prefill(q, torch.empty_like(q), first_rows.int(), one, torch.tensor([8]),
+                              k_cache, v_cache, table, None, 1.0)
+    with pytest.raises(ValueError, match="one dtype"):
+        kernels.paged_prefill(q, torch.empty_like(q), first_rows, one, torch.tensor([8]),
+                              k_cache, v_cache.bfloat16(), table, None, 1.0)
+
+
+def test_the_backend_takes_the_kernel_for_prompt_groups_and_matches_sdpa(monkeypatch):
+    """A prompt chunk at position 37 of its sequence, through the backend with and without
+    the native kernels (the K/V of the chunk are written into the cache first)."""
+    heads, kv_heads, d, bs = 9, 3, 64, 16
+    q, k_cache, v_cache, table, _ = _case(heads, kv_heads, d, torch.float32, bs, [37], [64])
+    q = q[1:-1]
+    k, v = torch.randn(64, kv_heads, d), torch.randn(64, kv_heads, d)
+    pos = torch.arange(37, 101)
+    slots = table[0][pos // bs] * bs + pos % bs
+    keys = torch.arange(table.shape[1] * bs)
+    group = AttentionGroup(
+        token_index=torch.arange(64)[None], valid_flat=None, token_rows=torch.arange(64),
+        block_table=table, last_pos=torch.tensor([100]),
+        mask=(keys[None, :] <= pos[:, None])[None, None], first_row=torch.tensor([0]),
+        first_pos=torch.tensor([37]), query_len=torch.tensor([64]))
+    meta = AttentionMetadata(slot_mapping=slots, groups=[group])
+    calls = []
+    monkeypatch.setattr(kernels, "paged_prefill", _counting(kernels.paged_prefill, calls))
+    native = TorchPagedAttention(d ** -0.5, kernels=kernels)(q, k, v, k_cache.clone(),
+                                                             v_cache.clone(), meta)
+    assert len(calls) == 1
+    plain = TorchPagedAttention(d ** -0.5)(q, k, v, k_cache.clone(), v_cache.clone(), meta)
+    torch.testing.assert_close(native, plain, atol=2e-5, rtol=1e-4)
+
+
+def _counting(fn, calls):
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        return fn(*args, **kwargs)
+    return wrapper
