@@ -152,7 +152,8 @@ int NAME(const float *q, int64_t q_stride, float *out, const int64_t *row0, cons
     int failed = 0;
 #pragma omp parallel num_threads(tandem_team(num_tasks)) reduction(| : failed)
     {
-        float *buf = malloc(sizeof(float) * floats);
+        /* cache-line aligned: every vector access stays within one line */
+        float *buf = aligned_alloc(64, (sizeof(float) * floats + 63) / 64 * 64);
         if (buf == NULL) failed = 1;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < num_tasks; ++t) {
