@@ -1,10 +1,15 @@
-"""``tandem bench attention``: the native decode attention's read rate against a plain read.
+"""``tandem bench attention``: the native attention kernels on CPU.
 
-Decode attention reads every sequence's K and V once per layer, so at batch and context
+Decode (the default): decode attention reads every sequence's K and V once per layer, so at batch and context
 sizes past the caches it is bound by memory: the figure that matters is the rate at which it
 reads the cache, against what a streaming ``sum`` reads in the same run. The K/V blocks of
 each sequence are scattered over the cache as a long-running server's are (a random block
 table), one cache per layer so no layer finds the previous one's blocks in cache.
+
+Prompts (``--prompt N``): each row is a chunk of N query tokens at the end of its
+``--context``; prompt attention is bound by compute, so the native kernel is timed
+against the torch path it replaces (gather the blocks, masked SDPA), interleaved
+A B A B in one process, as medians and GFLOP/s.
 """
 
 from __future__ import annotations
@@ -18,7 +23,10 @@ from services.bench import runinfo
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rows", type=int, default=32, help="decode rows (sequences) per step")
-    p.add_argument("--context", type=int, default=160, help="tokens each row attends")
+    p.add_argument("--context", type=int, default=160,
+                   help="tokens each row attends (with --prompt: the chunk's last position + 1)")
+    p.add_argument("--prompt", type=int, default=0,
+                   help="query tokens per row at the end of its context (0: one, decode)")
     p.add_argument("--heads", type=int, default=9)
     p.add_argument("--kv-heads", type=int, default=3)
     p.add_argument("--head-dim", type=int, default=64)
@@ -40,6 +48,8 @@ def main(args: argparse.Namespace) -> int:
     if kernels is None:
         print("the native CPU kernels did not build on this machine: nothing to measure")
         return 1
+    if args.prompt > 0:
+        return _prompt(args, kernels)
     dtype = getattr(torch, args.kv_dtype)
     rows, kvh, d, bs = args.rows, args.kv_heads, args.head_dim, args.block_size
     per_row = -(-args.context // bs)
@@ -70,4 +80,56 @@ def main(args: argparse.Namespace) -> int:
           f"{1e3 * median:.2f} ms [{1e3 * min(times):.2f}-{1e3 * max(times):.2f}] a step, "
           f"{kv_bytes / 1e6:.0f} MB of K/V at {kv_bytes / median / 1e9:.1f} GB/s "
           f"against {read:.1f} GB/s for a streaming read ({100 * kv_bytes / median / 1e9 / read:.0f}%)")
+    return 0
+
+
+def _prompt(args: argparse.Namespace, kernels) -> int:
+    """Prompt chunks through the attention backend with and without the native kernels."""
+    import torch
+
+    from services.engine.model.attention import (AttentionGroup, AttentionMetadata,
+                                                 TorchPagedAttention)
+
+    if not kernels.prefill_supported(args.head_dim):
+        print(f"no native prompt attention for head size {args.head_dim} on this CPU")
+        return 1
+    dtype = getattr(torch, args.kv_dtype)
+    rows, n, kvh, d, bs = args.rows, args.prompt, args.kv_heads, args.head_dim, args.block_size
+    context = max(args.context, n)
+    start, per_row = context - n, -(-context // bs)
+    gen = torch.Generator().manual_seed(0)
+    table = torch.randperm(rows * per_row + 1, generator=gen)[:rows * per_row].view(rows, per_row)
+    k_cache = torch.randn(rows * per_row + 1, bs, kvh, d, generator=gen).to(dtype)
+    v_cache = torch.randn_like(k_cache, dtype=torch.float32).to(dtype)
+    q = torch.randn(rows * n, args.heads, d, generator=gen)
+    k, v = torch.randn(rows * n, kvh, d, generator=gen), torch.randn(rows * n, kvh, d, generator=gen)
+    pos = start + torch.arange(n)
+    slots = (table[:, pos // bs] * bs + pos % bs).flatten()
+    keys = torch.arange(per_row * bs)
+    mask = None if start == 0 else (keys[None, :] <= pos[:, None])[None, None].expand(rows, 1, n, -1)
+    group = AttentionGroup(
+        token_index=torch.arange(rows * n).view(rows, n), valid_flat=None,
+        token_rows=torch.arange(rows * n), block_table=table,
+        last_pos=torch.full((rows,), context - 1), mask=mask, first_row=torch.arange(rows) * n,
+        first_pos=torch.full((rows,), start), query_len=torch.full((rows,), n))
+    meta = AttentionMetadata(slot_mapping=slots, groups=[group])
+    sides = {"native": TorchPagedAttention(d ** -0.5, kernels=kernels),
+             "torch": TorchPagedAttention(d ** -0.5)}
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    for i in range(args.repeats + 1):
+        for name, attend in sides.items():
+            t0 = time.perf_counter()
+            for _ in range(args.layers):
+                attend(q, k, v, k_cache, v_cache, meta)
+            if i:  # the first round warms up
+                times[name].append(time.perf_counter() - t0)
+    flops = 4 * args.heads * d * rows * (n * start + n * n / 2) * args.layers
+    native, plain = (statistics.median(times[name]) for name in sides)
+    print(runinfo.machine_line())
+    print(f"prompt attention, {rows} rows x {n} tokens at {start}..{context - 1}, "
+          f"{args.heads}/{kvh} heads of {d}, {args.layers} layers, {args.kv_dtype} KV, "
+          f"{args.threads} threads, medians of {args.repeats} interleaved:")
+    print(f"  native {1e3 * native:.2f} ms ({flops / native / 1e9:.0f} GFLOP/s), "
+          f"gather + SDPA {1e3 * plain:.2f} ms ({flops / plain / 1e9:.0f} GFLOP/s): "
+          f"{plain / native:.2f}x")
     return 0

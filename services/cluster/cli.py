@@ -131,7 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     from services.bench import serve as serve_bench
 
     for name, module, text in (("offline", offline, "engine throughput vs HF transformers"),
-                               ("attention", attention, "native decode attention's KV read rate vs a plain read"),
+                               ("attention", attention,
+                                "native attention: decode's KV read rate, prompts' against SDPA"),
                                ("transfer", transfer, "KV transfer bandwidth and added TTFT"),
                                ("stream", stream, "per-token overhead and concurrent streams"),
                                ("serve", serve_bench, "TTFT/TPOT/goodput of a server under load"),

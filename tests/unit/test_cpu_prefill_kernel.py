@@ -108,3 +108,18 @@ def _counting(fn, calls):
         calls.append(1)
         return fn(*args, **kwargs)
     return wrapper
+
+
+@pytest.mark.parametrize("context,start", [(40, 0), (70, 30)])
+def test_bench_attention_times_prompts_against_sdpa(capsys, context, start):
+    from services.cluster.cli import main
+
+    assert main(["bench", "attention", "--prompt", "40", "--context", str(context), "--rows", "2",
+                 "--layers", "2", "--repeats", "2", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"2 rows x 40 tokens at {start}..{context - 1}, 9/3 heads of 64, 2 layers" in out
+    import re
+
+    rates = re.search(r"native [\d.]+ ms \((\d+) GFLOP/s\), gather \+ SDPA [\d.]+ ms \((\d+) GFLOP/s\)",
+                      out)
+    assert rates and int(rates.group(1)) > 0 and int(rates.group(2)) > 0, out
