@@ -46,10 +46,11 @@ static int tandem_prefill_task_order(const void *a, const void *b) {
     return (ka < kb) - (ka > kb);
 }
 
-/* Positions per task: M = QT * G rows a multiple of 64 where that keeps QT in 16..64. */
+/* Positions per task: M = QT * G rows a multiple of 128 where that keeps QT in 16..64 (each
+ * key tile then serves two or more full 64-row chunks). */
 static int64_t tandem_prefill_positions(int64_t G) {
     int64_t qt = 64;
-    while (qt > 16 && (qt / 2 * G) % 64 == 0) qt /= 2;
+    while (qt > 16 && (qt / 2 * G) % 128 == 0) qt /= 2;
     return qt;
 }
 
