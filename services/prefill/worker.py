@@ -179,7 +179,7 @@ class PrefillWorker(EngineWorker):
         ready = None  # one event per layer, recorded only when a group ends here
         for seq in completing:
             d = self._descriptors.get(seq.seq_id)
-            if d is None:
+            if d is None or seq.seq_id in self._sending:  # not sent, or failed at an earlier layer
                 continue
             if sender is None:  # left the group mid-request: fail the transfer, free the KV
                 self._sending.add(seq.seq_id)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -63,7 +64,8 @@ class SendReport:
 class KVSender:
     """Sends jobs FIFO; ``on_done(report)`` fires once per transfer, after its final group
     completed on the device or its first failure (later groups of a failed transfer are
-    skipped)."""
+    skipped). It runs on the completion thread, or on the submitting thread for a
+    transfer whose final group comes after ``close``."""
 
     def __init__(self, channel: KVChannel,
                  gather: Callable[[Sequence[int] | torch.Tensor, range, torch.Tensor], torch.Tensor],
@@ -87,10 +89,12 @@ class KVSender:
             queue.SimpleQueue()
         self._staging: dict[int, StagingBuffer] = {}  # per decode rank: one stream each
         self._progress: dict[str, tuple[Any, int]] = {}  # transfer id -> (start event, bytes)
-        self._failed: set[str] = set()
         self.bytes_sent = 0
+        # guards the three below; no job is queued behind the stop sentinel
+        self._lock = threading.Lock()
         self._closed = False
-        self._closing = threading.Lock()  # no job is queued behind the stop sentinel
+        self._open: set[str] = set()  # transfers submitted and not reported yet
+        self._failed: set[str] = set()  # reported failed before their final group came
         self._thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
         self._completer = threading.Thread(target=self._complete, name="kv-send-done",
                                            daemon=True)
@@ -98,44 +102,57 @@ class KVSender:
         self._completer.start()
 
     def submit(self, job: SendJob) -> None:
-        with self._closing:
+        tid = job.transfer_id
+        with self._lock:
             if not self._closed:
+                if tid not in self._failed:
+                    self._open.add(tid)
                 self._jobs.put(job)
                 return
-        if job.final:  # the group is gone: the transfer fails at once
-            self._on_done(SendReport(job.transfer_id, False, "sender closed", 0, 0.0))
+            if not job.final:
+                return
+            if tid in self._failed:  # reported already
+                self._failed.discard(tid)
+                return
+            self._open.add(tid)
+        self._deliver(SendReport(tid, False, "sender closed", 0, 0.0))  # the group is gone
 
     def close(self, wait_s: float = 10.0) -> None:
-        """Stop after the queued jobs (which fail fast once peers have left). Every
-        transfer submitted is still reported once, even one whose send outlasts
-        ``wait_s``: the completion thread stops only after the sending thread did."""
-        with self._closing:
+        """Stop after the queued jobs (which fail fast once peers have left), waiting up
+        to ``wait_s``. Every transfer submitted is still reported once, even one whose
+        send outlasts the wait: the completion thread stops only after the sending one."""
+        deadline = time.monotonic() + wait_s
+        with self._lock:
             self._closed = True
             self._jobs.put(None)
         self._thread.join(timeout=wait_s)
-        self._completer.join(timeout=wait_s)
+        self._completer.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def _run(self) -> None:
-        while True:
-            try:
-                job = self._jobs.get(timeout=self._heartbeat_s)
-            except queue.Empty:
-                self._heartbeat()
-                continue
-            if job is None:
-                self._completions.put(None)  # after every completion this thread queued
-                return
-            try:
-                self._run_job(job)
-            except Exception as e:  # noqa: BLE001 - a bug must not strand later transfers
-                log.exception("KV send %s group %d", job.transfer_id, job.layer_group)
-                self._fail(job, e, 0, None)
+        try:
+            while True:
+                try:
+                    job = self._jobs.get(timeout=self._heartbeat_s)
+                except queue.Empty:
+                    self._heartbeat()
+                    continue
+                if job is None:
+                    return
+                try:
+                    self._run_job(job)
+                except Exception as e:  # noqa: BLE001 - a bug must not strand later transfers
+                    log.exception("KV send %s group %d", job.transfer_id, job.layer_group)
+                    self._fail(job, e, 0, self._event_after(job))
+        finally:
+            self._completions.put(None)  # after every completion this thread queued
 
     def _run_job(self, job: SendJob) -> None:
         tid, sync = job.transfer_id, self.sync
-        if tid in self._failed:  # reported already; skip the rest of its groups
-            if job.final:
+        with self._lock:
+            skip = tid in self._failed  # reported already; skip the rest of its groups
+            if skip and job.final:
                 self._failed.discard(tid)
+        if skip:
             return
         try:
             stream = self.channel.stream(job.dst_rank)
@@ -163,10 +180,29 @@ class KVSender:
         """Report ``job``'s transfer failed (once ``end`` completed); skip its later groups."""
         tid = job.transfer_id
         if not job.final:
-            self._failed.add(tid)
+            with self._lock:
+                self._failed.add(tid)
         self._progress.pop(tid, None)
         self._completions.put((SendReport(tid, False, f"{type(error).__name__}: {error}", sent,
                                           0.0), None, end))
+
+    def _event_after(self, job: SendJob) -> Any:
+        """An event after whatever was queued for ``job``'s peer; None without a stream."""
+        try:
+            return self.sync.record_event(self.channel.stream(job.dst_rank))
+        except Exception:  # noqa: BLE001 - no stream: nothing was queued
+            return None
+
+    def _deliver(self, report: SendReport) -> None:
+        """``on_done(report)`` unless the transfer was reported already."""
+        with self._lock:
+            if report.transfer_id not in self._open:
+                return
+            self._open.discard(report.transfer_id)
+        try:
+            self._on_done(report)
+        except Exception:  # noqa: BLE001 - one report must not stop the others
+            log.exception("KV send report for %s failed", report.transfer_id)
 
     def _complete(self) -> None:
         """Report each transfer once its sends completed on the device (FIFO: the events
@@ -181,10 +217,7 @@ class KVSender:
             except Exception as e:  # the channel broke: its communicators are gone
                 if report.ok:
                     report.ok, report.error = False, f"{type(e).__name__}: {e}"
-            try:
-                self._on_done(report)
-            except Exception:  # noqa: BLE001 - one report must not stop the others
-                log.exception("KV send report for %s failed", report.transfer_id)
+            self._deliver(report)
 
     def _heartbeat(self) -> None:
         """An empty header to every peer; a failure breaks the channel (the receiver is gone)."""

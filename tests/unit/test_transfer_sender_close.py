@@ -1,7 +1,9 @@
-"""Closing a sender (its group is rebuilt) never strands a transfer: every final job
-submitted is reported exactly once, whether its send outlasts ``close``'s wait or the
-job is submitted while ``close`` runs. A transfer never reported keeps its prompt's
-KV blocks held on the prefill worker for good."""
+"""Closing a sender (its group is rebuilt) never strands a transfer: every transfer
+submitted is reported exactly once, whether its send outlasts ``close``'s wait, a job
+is submitted while ``close`` runs, or its final group comes after ``close`` with an
+earlier group still sending or already failed. A transfer never reported keeps its
+prompt's KV blocks held on the prefill worker for good; one reported twice is freed
+twice."""
 
 from __future__ import annotations
 
@@ -40,8 +42,8 @@ def _sender(channel) -> tuple[KVSender, queue.Queue]:
                     heartbeat_s=None), reports
 
 
-def _job(tid: str) -> SendJob:
-    return SendJob(tid, 1, [1, 2], range(0, 2), 0, True)
+def _job(tid: str, group: int = 0, final: bool = True) -> SendJob:
+    return SendJob(tid, 1, [1, 2], range(0, 2), group, final)
 
 
 def test_a_send_that_outlasts_close_is_still_reported():
@@ -95,3 +97,60 @@ def test_a_job_submitted_after_close_fails_at_once():
     sender.submit(_job("late"))
     report = reports.get_nowait()
     assert (report.transfer_id, report.ok, report.error) == ("late", False, "sender closed")
+
+
+def test_a_final_group_after_close_with_an_earlier_group_still_sending_is_reported_once():
+    channel = GatedChannel()
+    sender, reports = _sender(channel)
+    sender.submit(_job("t", 0, final=False))
+    assert channel.sending.wait(30)
+    sender.close(wait_s=0.05)
+    sender.submit(_job("t", 1))
+    channel.gate.set()  # group 0 fails now
+    sender.close()
+    assert [(r.transfer_id, r.ok, r.error) for r in _drain(reports)] == [("t", False, "sender closed")]
+
+
+def test_a_final_group_after_close_of_a_transfer_that_failed_already_is_not_reported_again():
+    channel = GatedChannel()
+    channel.gate.set()
+    sender, reports = _sender(channel)
+    sender.submit(_job("t", 0, final=False))
+    first = reports.get(timeout=30)
+    sender.close()
+    sender.submit(_job("t", 1))
+    assert (first.transfer_id, first.ok) == ("t", False) and "peer left" in first.error
+    assert _drain(reports) == []
+
+
+def _drain(reports: queue.Queue) -> list[SendReport]:
+    out = []
+    while not reports.empty():
+        out.append(reports.get_nowait())
+    return out
+
+
+def test_a_prefill_worker_that_left_its_group_fails_a_transfer_once(tiny_model_dir):
+    """Its group is gone mid-step (a rebuild): the request's transfer fails at its first
+    layer group and the rest of the step's layers leave it alone."""
+    from types import SimpleNamespace
+
+    from services.common.config import CacheConfig, EngineConfig
+    from services.prefill.worker import PrefillWorker
+    from services.protocol.messages import KVTransferDescriptor
+
+    worker = PrefillWorker("prefill-0", EngineConfig(model=str(tiny_model_dir),
+                                                     cache=CacheConfig(num_blocks=8)))
+    try:
+        layers = worker.engine.model_config.num_layers
+        worker._descriptors["r"] = KVTransferDescriptor(
+            request_id="r", transfer_id="r#t", block_ids=(3,),
+            layer_groups=tuple((i, i + 1) for i in range(layers)), src_rank=0, dst_rank=1,
+            num_prompt_tokens=4)
+        worker._by_transfer["r#t"] = "r"
+        seq = SimpleNamespace(seq_id="r", block_ids=[5])
+        for layer in range(layers):
+            worker._on_layer_done(layer, [seq])
+        assert layers > 1 and worker.transfer_failures == 1
+    finally:
+        worker.shutdown()
