@@ -1,8 +1,8 @@
 """``tandem bench attention``: the native attention kernels on CPU.
 
-Decode (the default): decode attention reads every sequence's K and V once per layer, so at batch and context
-sizes past the caches it is bound by memory: the figure that matters is the rate at which it
-reads the cache, against what a streaming ``sum`` reads in the same run. The K/V blocks of
+Decode (the default): decode attention reads every sequence's K and V once per layer, so
+at batch and context sizes past the caches it is bound by memory: the figure that matters
+is the rate at which it reads the cache, against what a streaming ``sum`` reads in the same run. The K/V blocks of
 each sequence are scattered over the cache as a long-running server's are (a random block
 table), one cache per layer so no layer finds the previous one's blocks in cache.
 
@@ -17,8 +17,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import TYPE_CHECKING
 
 from services.bench import runinfo
+
+if TYPE_CHECKING:
+    from services.engine.model.cpu_kernels import CpuKernels
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -83,7 +87,7 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _prompt(args: argparse.Namespace, kernels) -> int:
+def _prompt(args: argparse.Namespace, kernels: CpuKernels) -> int:
     """Prompt chunks through the attention backend with and without the native kernels."""
     import torch
 

@@ -7,28 +7,10 @@ import torch
 import torch.nn.functional as F
 
 from services.engine.model import cpu_kernels
+from tests.attention_reference import reference_prefill
 
 kernels = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler on this machine")
-
-
-def _reference_prefill(q, k_cache, v_cache, table, first_row, start, n, window, scale):
-    """Per sequence: gather its blocks, then masked SDPA of its query run."""
-    bs = k_cache.shape[1]
-    outs = []
-    for s in range(len(first_row)):
-        pos = start[s] + torch.arange(n[s])  # [n]
-        keys = torch.arange(table.shape[1] * bs)
-        mask = keys[None, :] <= pos[:, None]
-        if window:
-            mask &= keys[None, :] > pos[:, None] - window
-        kg = k_cache[table[s]].flatten(0, 1).transpose(0, 1).float()  # [KVH, K, D]
-        vg = v_cache[table[s]].flatten(0, 1).transpose(0, 1).float()
-        qs = q[first_row[s]:first_row[s] + n[s]].transpose(0, 1)  # [H, n, D]
-        o = F.scaled_dot_product_attention(qs[None], kg[None], vg[None], attn_mask=mask[None, None],
-                                           scale=scale, enable_gqa=True)[0]
-        outs.append(o.transpose(0, 1))
-    return outs
 
 
 @pytest.mark.parametrize("d", [16, 64, 24])
@@ -41,7 +23,7 @@ def test_paged_decode_reads_a_bf16_cache(d):
     positions = torch.tensor([0, 9, 19])
     out = torch.empty_like(q)
     kernels.paged_decode(q, out, torch.arange(3), k_cache, v_cache, table, positions, None, 0.5)
-    ref = _reference_prefill(q, k_cache, v_cache, table, [0, 1, 2], positions.tolist(), [1, 1, 1],
+    ref = reference_prefill(q, k_cache, v_cache, table, [0, 1, 2], positions.tolist(), [1, 1, 1],
                              None, 0.5)
     torch.testing.assert_close(out, torch.cat(ref), atol=2e-5, rtol=1e-4)
 

@@ -5,16 +5,19 @@ attention backend choosing it for prompt groups."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from services.engine.model import cpu_kernels
 from services.engine.model.attention import AttentionGroup, AttentionMetadata, TorchPagedAttention
-from tests.unit.test_cpu_attention_kernels import _reference_prefill
+from tests.attention_reference import reference_prefill
 
 kernels = cpu_kernels.load()
-pytestmark = pytest.mark.skipif(kernels is None or not kernels.prefill_supported(64),
-                                reason="no C compiler or no AVX-512 on this machine")
+pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler on this machine")
+needs_kernel = pytest.mark.skipif(kernels is None or not kernels.prefill_supported(64),
+                                  reason="no AVX-512 on this machine")
 
 
 def _case(heads, kv_heads, d, dtype, block_size, starts, lens, seed=0):
@@ -33,22 +36,24 @@ def _case(heads, kv_heads, d, dtype, block_size, starts, lens, seed=0):
     return q, k_cache, v_cache, table, first_rows
 
 
+@needs_kernel
 @pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 128), (8, 2, 80), (8, 1, 32),
-                                              (6, 2, 16)])
+                                              (6, 2, 16), (6, 3, 48)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("window", [None, 23])
+@pytest.mark.parametrize("window", [None, 23, 100])
 def test_paged_prefill_matches_gather_and_sdpa(heads, kv_heads, d, dtype, window):
     starts, lens = [0, 37, 5, 0], [150, 64, 1, 17]  # whole prompts and later chunks
     q, k_cache, v_cache, table, first_rows = _case(heads, kv_heads, d, dtype, 16, starts, lens)
     out = torch.full_like(q, float("nan"))
     kernels.paged_prefill(q, out, first_rows, torch.tensor(starts), torch.tensor(lens),
                           k_cache, v_cache, table, window, d ** -0.5)
-    ref = _reference_prefill(q, k_cache, v_cache, table, first_rows.tolist(), starts, lens,
+    ref = reference_prefill(q, k_cache, v_cache, table, first_rows.tolist(), starts, lens,
                              window, d ** -0.5)
     torch.testing.assert_close(out[1:-1], torch.cat(ref), atol=2e-5, rtol=1e-4)
     assert out[0].isnan().all() and out[-1].isnan().all()
 
 
+@needs_kernel
 def test_paged_prefill_with_odd_block_sizes_and_long_chunks():
     """Key tiles that cross blocks of 5, a chunk far into its sequence, several query tiles."""
     starts, lens = [300, 0], [200, 333]
@@ -57,11 +62,12 @@ def test_paged_prefill_with_odd_block_sizes_and_long_chunks():
     out = torch.empty_like(q)
     kernels.paged_prefill(q, out, first_rows, torch.tensor(starts), torch.tensor(lens),
                           k_cache, v_cache, table, None, 0.3)
-    ref = _reference_prefill(q, k_cache, v_cache, table, first_rows.tolist(), starts, lens,
+    ref = reference_prefill(q, k_cache, v_cache, table, first_rows.tolist(), starts, lens,
                              None, 0.3)
     torch.testing.assert_close(out[1:-1], torch.cat(ref), atol=2e-5, rtol=1e-4)
 
 
+@needs_kernel
 def test_paged_prefill_refuses_what_it_cannot_compute():
     assert not kernels.prefill_supported(40) and kernels.prefill_supported(128)
     q, k_cache, v_cache, table, first_rows = _case(4, 2, 40, torch.float32, 16, [0], [8])
@@ -76,11 +82,16 @@ def test_paged_prefill_refuses_what_it_cannot_compute():
     with pytest.raises(ValueError, match="one dtype"):
         kernels.paged_prefill(q, torch.empty_like(q), first_rows, one, torch.tensor([8]),
                               k_cache, v_cache.bfloat16(), table, None, 1.0)
+    with pytest.raises(ValueError, match="per sequence"):
+        kernels.paged_prefill(q, torch.empty_like(q), first_rows, torch.tensor([0, 0]),
+                              torch.tensor([8]), k_cache, v_cache, table, None, 1.0)
+    with pytest.raises(ValueError, match="out shaped as q"):
+        kernels.paged_prefill(q, torch.empty_like(q[:4]), first_rows, one, torch.tensor([8]),
+                              k_cache, v_cache, table, None, 1.0)
 
 
-def test_the_backend_takes_the_kernel_for_prompt_groups_and_matches_sdpa(monkeypatch):
-    """A prompt chunk at position 37 of its sequence, through the backend with and without
-    the native kernels (the K/V of the chunk are written into the cache first)."""
+def _chunk_case():
+    """A prompt chunk of 64 tokens at position 37 of its sequence, as the runner groups it."""
     heads, kv_heads, d, bs = 9, 3, 64, 16
     q, k_cache, v_cache, table, _ = _case(heads, kv_heads, d, torch.float32, bs, [37], [64])
     q = q[1:-1]
@@ -93,14 +104,33 @@ def test_the_backend_takes_the_kernel_for_prompt_groups_and_matches_sdpa(monkeyp
         block_table=table, last_pos=torch.tensor([100]),
         mask=(keys[None, :] <= pos[:, None])[None, None], first_row=torch.tensor([0]),
         first_pos=torch.tensor([37]), query_len=torch.tensor([64]))
-    meta = AttentionMetadata(slot_mapping=slots, groups=[group])
+    return q, k, v, k_cache, v_cache, AttentionMetadata(slot_mapping=slots, groups=[group])
+
+
+@needs_kernel
+def test_the_backend_takes_the_kernel_for_prompt_groups_and_matches_sdpa(monkeypatch):
+    """Through the backend with and without the native kernels (the chunk's K/V are
+    written into the cache first)."""
+    q, k, v, k_cache, v_cache, meta = _chunk_case()
     calls = []
     monkeypatch.setattr(kernels, "paged_prefill", _counting(kernels.paged_prefill, calls))
-    native = TorchPagedAttention(d ** -0.5, kernels=kernels)(q, k, v, k_cache.clone(),
-                                                             v_cache.clone(), meta)
+    native = TorchPagedAttention(0.125, kernels=kernels)(q, k, v, k_cache.clone(),
+                                                         v_cache.clone(), meta)
     assert len(calls) == 1
-    plain = TorchPagedAttention(d ** -0.5)(q, k, v, k_cache.clone(), v_cache.clone(), meta)
+    plain = TorchPagedAttention(0.125)(q, k, v, k_cache.clone(), v_cache.clone(), meta)
     torch.testing.assert_close(native, plain, atol=2e-5, rtol=1e-4)
+
+
+def test_the_backend_keeps_sdpa_where_the_cpu_cannot_run_the_kernel(monkeypatch):
+    q, k, v, k_cache, v_cache, meta = _chunk_case()
+    calls = []
+    monkeypatch.setattr(kernels, "prefill_supported", lambda head_dim: False)
+    monkeypatch.setattr(kernels, "paged_prefill", _counting(kernels.paged_prefill, calls))
+    out = TorchPagedAttention(0.125, kernels=kernels)(q, k, v, k_cache.clone(), v_cache.clone(),
+                                                      meta)
+    plain = TorchPagedAttention(0.125)(q, k, v, k_cache.clone(), v_cache.clone(), meta)
+    assert calls == []
+    torch.testing.assert_close(out, plain)
 
 
 def _counting(fn, calls):
@@ -110,6 +140,7 @@ def _counting(fn, calls):
     return wrapper
 
 
+@needs_kernel
 @pytest.mark.parametrize("context,start", [(40, 0), (70, 30)])
 def test_bench_attention_times_prompts_against_sdpa(capsys, context, start):
     from services.cluster.cli import main
@@ -118,8 +149,6 @@ def test_bench_attention_times_prompts_against_sdpa(capsys, context, start):
                  "--layers", "2", "--repeats", "2", "--threads", "1"]) == 0
     out = capsys.readouterr().out
     assert f"2 rows x 40 tokens at {start}..{context - 1}, 9/3 heads of 64, 2 layers" in out
-    import re
-
-    rates = re.search(r"native [\d.]+ ms \((\d+) GFLOP/s\), gather \+ SDPA [\d.]+ ms \((\d+) GFLOP/s\)",
+    times = re.search(r"native ([\d.]+) ms \(\d+ GFLOP/s\), gather \+ SDPA ([\d.]+) ms \(\d+ GFLOP/s\)",
                       out)
-    assert rates and int(rates.group(1)) > 0 and int(rates.group(2)) > 0, out
+    assert times and float(times.group(1)) > 0 and float(times.group(2)) > 0, out

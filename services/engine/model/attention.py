@@ -1,9 +1,9 @@
 """Attention over the paged KV cache.
 
 ``AttentionBackend`` is the seam where a kernel plugs in. ``TorchPagedAttention``
-is the portable torch implementation (SDPA over gathered blocks, the CPU path),
-which hands decode groups to the native CPU kernel (``cpu_kernels.py``, reading
-blocks in place) when one is loaded; ``TritonPagedAttention``
+is the CPU path: the native kernels (``cpu_kernels.py``, reading blocks in place)
+for decode groups and, where the CPU has AVX-512, prompt groups, when they are
+loaded; SDPA over gathered blocks otherwise. ``TritonPagedAttention``
 (``triton_attention.py``) is the CUDA path, reading blocks in place for every
 step kind. The runner builds ``AttentionMetadata`` once per step, in the form
 the backend asks for (``uses_varlen``), and every layer reuses it.
@@ -22,7 +22,8 @@ from services.engine.model.cpu_kernels import CpuKernels
 
 @dataclass
 class AttentionGroup:
-    """Sequences with the same padded query length, attended as one SDPA call.
+    """Sequences with the same padded query length, attended in one call (a native
+    kernel's, or one SDPA).
 
     B sequences, Q padded query rows each, K = max blocks * block size keys.
     """

@@ -58,10 +58,10 @@ class CpuKernels:
             fn.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64,
                            _i64, _i64, _i64, _i64, _i64, _f32]
             self._prefill[dtype] = fn
-        supported = lib.tandem_paged_prefill_supported
-        supported.restype = ctypes.c_int
-        supported.argtypes = [_i64]
-        self._prefill_heads = {d: bool(supported(d)) for d in range(1, 513)}
+        self._prefill_supported = lib.tandem_paged_prefill_supported
+        self._prefill_supported.restype = ctypes.c_int
+        self._prefill_supported.argtypes = [_i64]
+        self._prefill_heads: dict[int, bool] = {}
         self._int8_linear = lib.tandem_int8_linear_f32
         self._int8_linear.restype = ctypes.c_int
         self._int8_linear.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]
@@ -142,7 +142,10 @@ class CpuKernels:
 
     def prefill_supported(self, head_dim: int) -> bool:
         """Whether ``paged_prefill`` runs here (AVX-512 and a head size a multiple of 16)."""
-        return self._prefill_heads.get(head_dim, False)
+        known = self._prefill_heads.get(head_dim)
+        if known is None:
+            known = self._prefill_heads[head_dim] = bool(self._prefill_supported(head_dim))
+        return known
 
     def paged_prefill(self, q: torch.Tensor, out: torch.Tensor, first_rows: torch.Tensor,
                       first_positions: torch.Tensor, num_queries: torch.Tensor,
@@ -163,7 +166,14 @@ class CpuKernels:
         _check_dense_heads(q)
         _check_indices(first_rows, first_positions, num_queries, block_table)
         _, heads, head_dim = q.shape
-        _, block_size, kv_heads, _ = k_cache.shape
+        _, block_size, kv_heads, cache_dim = k_cache.shape
+        if out.shape != q.shape or cache_dim != head_dim or heads % kv_heads:
+            raise ValueError("paged_prefill needs out shaped as q [T, H, D] and caches of D, "
+                             "with H a multiple of the caches' KVH")
+        if not first_rows.shape == first_positions.shape == num_queries.shape \
+                == block_table.shape[:1]:
+            raise ValueError("paged_prefill needs one first row, position, count and table row "
+                             "per sequence")
         if not self.prefill_supported(head_dim):
             raise ValueError(f"paged_prefill does not run head size {head_dim} on this CPU")
         rc = self._prefill[k_cache.dtype](

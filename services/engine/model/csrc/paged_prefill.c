@@ -107,8 +107,16 @@ static inline __attribute__((always_inline)) void tandem_values(
 
 int tandem_paged_prefill_supported(int64_t head_dim) { return head_dim % 16 == 0; }
 
-#else  /* no AVX-512: callers keep the torch path */
+#else  /* no AVX-512: callers keep the torch path (these are never called) */
 int tandem_paged_prefill_supported(int64_t head_dim) { (void)head_dim; return 0; }
-int tandem_paged_prefill_f32(void) { return -2; }
-int tandem_paged_prefill_bf16(void) { return -2; }
+#define TANDEM_NO_PREFILL(NAME, KV_T)                                                            \
+    int NAME(const float *q, int64_t q_stride, float *out, const int64_t *row0,                 \
+             const int64_t *pos0, const int64_t *num_queries, int64_t num_seqs,                 \
+             const KV_T *k_cache, const KV_T *v_cache, const int64_t *block_table,              \
+             int64_t table_stride, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,   \
+             int64_t block_size, int64_t window, float scale) {                                 \
+        return -2;                                                                              \
+    }
+TANDEM_NO_PREFILL(tandem_paged_prefill_f32, float)
+TANDEM_NO_PREFILL(tandem_paged_prefill_bf16, uint16_t)
 #endif

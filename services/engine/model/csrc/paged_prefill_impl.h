@@ -68,7 +68,8 @@ static void RUN_TASK(const tandem_prefill_task *tk, const float *q, int64_t q_st
             const __m512 ninf = _mm512_set1_ps(-INFINITY);
             for (int64_t j = 0; j < nk; ++j) {
                 const __m512i key = _mm512_set1_epi32((int32_t)(k0 + j));
-                const __m512i last = _mm512_set1_epi32((int32_t)(k0 + j + window));
+                const int64_t past = k0 + j + window;  /* keys before a row at ``past`` fall out */
+                const __m512i last = _mm512_set1_epi32(past > INT32_MAX ? INT32_MAX : (int32_t)past);
                 for (int64_t m = 0; m < Mp; m += 16) {
                     const __m512i pos = _mm512_loadu_si512(posm + m);
                     __mmask16 ok = _mm512_cmpge_epi32_mask(pos, key);
