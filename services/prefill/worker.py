@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Mapping
 
 from services.common.config import EngineConfig
@@ -108,6 +109,7 @@ class PrefillWorker(EngineWorker):
             aio.call_soon_threadsafe(lambda: first.done() or fn())
 
         rid = req.request_id
+        await self._earlier_attempt_released(rid, timeout_s)
         self.loop.open_stream(rid, lambda out: settle(lambda: first.set_result(out)),
                               lambda exc: settle(lambda: first.set_exception(exc)))
         if req.descriptor is not None:
@@ -139,6 +141,17 @@ class PrefillWorker(EngineWorker):
             num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
             first_logprob=TokenLogprob.of(lp) if lp is not None else None,
             kv_bytes=self._kv_bytes(req), finish_reason=out.finish_reason)
+
+    async def _earlier_attempt_released(self, rid: str, timeout_s: float) -> None:
+        """A re-drive of a request to this worker waits until the KV of its earlier attempt
+        here is released (its sends ended): until then the request's descriptor, and the
+        engine's sequence of that id, are the earlier attempt's."""
+        deadline = time.monotonic() + timeout_s
+        while rid in self._descriptors:
+            if time.monotonic() > deadline:
+                raise PrefillTimeoutError(f"{rid}: an earlier attempt still holds its KV on "
+                                          f"{self.worker_id} after {timeout_s:g}s")
+            await asyncio.sleep(0.01)
 
     async def abort(self, request_id: str) -> None:
         """Stop a prefill; KV already queued for sending is freed once the sends end."""

@@ -1,9 +1,12 @@
-"""Closing a sender (its group is rebuilt) never strands a transfer: every transfer
-submitted is reported exactly once, whether its send outlasts ``close``'s wait, a job
-is submitted while ``close`` runs, or its final group comes after ``close`` with an
-earlier group still sending or already failed. A transfer never reported keeps its
-prompt's KV blocks held on the prefill worker for good; one reported twice is freed
-twice."""
+"""A prompt's KV on a prefill worker is freed exactly once, however its transfer ends.
+
+The sender, closed when its group is rebuilt, reports every transfer submitted exactly
+once: when its send outlasts ``close``'s wait, when a job is submitted while ``close``
+runs, and when its final group comes after ``close`` with an earlier group still sending
+or already failed. The prefill worker fails a transfer once when its group is gone
+mid-step, and a re-drive of a request to the same worker waits for the earlier attempt's
+release. A transfer never reported, or a release that takes the wrong attempt's state,
+keeps the prompt's blocks held for good."""
 
 from __future__ import annotations
 
@@ -152,5 +155,65 @@ def test_a_prefill_worker_that_left_its_group_fails_a_transfer_once(tiny_model_d
         for layer in range(layers):
             worker._on_layer_done(layer, [seq])
         assert layers > 1 and worker.transfer_failures == 1
+    finally:
+        worker.shutdown()
+
+
+def test_a_redrive_to_the_same_prefill_worker_waits_for_the_earlier_attempts_release(
+        tiny_model_dir):
+    """Attempt 1's transfer fails while the engine is busy, so its release is queued; attempt
+    2 of the same request comes before that release runs. Attempt 2 must not take the
+    request's place until attempt 1 is released, or the release drops attempt 2's
+    descriptor and its prompt KV is held for good."""
+    import asyncio
+
+    from services.common.config import CacheConfig, EngineConfig
+    from services.common.sampling_params import SamplingParams
+    from services.prefill.worker import PrefillWorker
+    from services.protocol.messages import KVTransferDescriptor
+    from services.protocol.request_path import PrefillRequest
+    from services.transfer.endpoint import make_sender
+
+    worker = PrefillWorker("prefill-0", EngineConfig(model=str(tiny_model_dir),
+                                                     cache=CacheConfig(num_blocks=16)))
+    channel = GatedChannel()
+    worker.sender = make_sender(channel, worker.engine, worker._on_sent, None)
+    worker._joined = True
+    layers = worker.engine.model_config.num_layers
+    prompt, params = tuple(range(3, 23)), SamplingParams(temperature=0.0, max_tokens=4)
+
+    def request(attempt: int) -> PrefillRequest:
+        return PrefillRequest("r", prompt, params, KVTransferDescriptor(
+            request_id="r", transfer_id=f"r#{attempt}", block_ids=(3, 4),
+            layer_groups=((0, layers),), src_rank=0, dst_rank=1, num_prompt_tokens=len(prompt)))
+
+    async def main():
+        await worker.prefill(request(1))
+        assert channel.sending.wait(30)  # attempt 1's KV is being sent
+        hold = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        held = threading.Event()
+        worker.loop.submit(lambda e: (held.set(), asyncio.run_coroutine_threadsafe(
+            hold.wait(), loop).result(30)))
+        assert held.wait(30)  # the engine thread is busy
+        channel.gate.set()  # attempt 1 fails: its release is queued behind the busy engine
+        for _ in range(3000):
+            if worker.transfer_failures:
+                break
+            await asyncio.sleep(0.01)
+        second = asyncio.ensure_future(worker.prefill(request(2)))
+        await asyncio.sleep(0.2)
+        hold.set()
+        await second  # its own send fails too (the peer is gone) and frees its blocks
+        for _ in range(3000):
+            if not worker.engine.scheduler.seqs and not worker._descriptors:
+                break
+            await asyncio.sleep(0.01)
+
+    try:
+        asyncio.run(main())
+        assert worker.transfer_failures == 2
+        assert not worker.engine.scheduler.seqs, "a prefilled request is held for good"
+        assert worker.engine.block_pool.num_free == worker.engine.block_pool.num_blocks
     finally:
         worker.shutdown()
