@@ -165,9 +165,10 @@ class RayDecode(RayWorker):
             reader = self._readers[loop] = FeedReader(self.actor, self.worker_id, self._translate)
         return reader
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str, transfer_id: str | None = None) -> None:
+        args = (request_id,) if transfer_id is None else (request_id, transfer_id)
         try:
-            await _within(_quiet(self.actor.abort).remote(request_id), CLEANUP_TIMEOUT_S)
+            await _within(_quiet(self.actor.abort).remote(*args), CLEANUP_TIMEOUT_S)
         finally:
             self.active.discard(request_id)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping, Sequence
 
 import torch
@@ -33,6 +34,7 @@ from services.worker.engine_worker import EngineWorker
 from services.worker.threads import ElasticThreads
 
 log = logging.getLogger(__name__)
+ABORTED_TRANSFERS_KEPT = 4096  # transfer ids remembered from aborts, newest kept
 
 
 class TransferFailedError(RuntimeError):
@@ -71,6 +73,9 @@ class DecodeWorker(EngineWorker):
         self._reserving: dict[str, asyncio.Task] = {}  # request -> its reserve in progress
         self._ending: dict[str, asyncio.Task] = {}  # request -> its release in progress
         self._settling: dict[str, list[_Waiter]] = {}  # request -> calls waiting for that release
+        # transfer ids of attempts aborted here; a reserve that arrives after its own abort
+        # (an async actor runs calls in no set order) is refused instead of holding blocks
+        self._aborted_transfers: OrderedDict[str, None] = OrderedDict()
         self.feeds = Feeds(worker_id, self.loop.close_stream)
         self.kv_bytes_received = 0
         self._retune_threads()
@@ -118,8 +123,13 @@ class DecodeWorker(EngineWorker):
                       ) -> KVTransferDescriptor | None:
         """Take blocks for the prompt and expect its KV from ``src_rank``; None when full.
 
-        Cancelled midway, the reservation is released once it has been made.
+        Cancelled midway, the reservation is released once it has been made. Refused
+        when the attempt's abort (same ``transfer_id``) came first.
         """
+        if transfer_id in self._aborted_transfers:
+            del self._aborted_transfers[transfer_id]
+            raise TransferFailedError(f"{request_id}: aborted on {self.worker_id} before its "
+                                      f"reservation")
         if not await self._settled(request_id):
             raise TransferFailedError(f"{request_id}: ended on {self.worker_id} before its reservation")
         task = asyncio.ensure_future(self._reserve(request_id, prompt_token_ids, params,
@@ -169,9 +179,15 @@ class DecodeWorker(EngineWorker):
             return None, None
         return blocks, self.sync.record_event(self.sync.current_stream())
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str, transfer_id: str | None = None) -> None:
         """Stop a request wherever it is, a call of it still waiting for an earlier release
-        of the id (``_settled``) included; a stream waiting on it ends with ``abort``."""
+        of the id (``_settled``) included; a stream waiting on it ends with ``abort``.
+        ``transfer_id``: the aborted attempt's, whose ``reserve`` is refused should it
+        arrive after this."""
+        if transfer_id is not None:
+            self._aborted_transfers[transfer_id] = None
+            while len(self._aborted_transfers) > ABORTED_TRANSFERS_KEPT:
+                self._aborted_transfers.popitem(last=False)
         for waiter in self._settling.get(request_id, ()):
             waiter.ended = True  # the gateway's abort comes after that call, never before
         await asyncio.shield(self._end(request_id))

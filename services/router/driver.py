@@ -59,7 +59,9 @@ class DecodeOps(Protocol):
                       layer_group_size: int | None, checksum: bool
                       ) -> KVTransferDescriptor | None: ...
     def decode(self, req: DecodeRequest) -> AsyncIterator[TokenDelta]: ...
-    async def abort(self, request_id: str) -> None: ...
+    async def abort(self, request_id: str, transfer_id: str | None = None) -> None:
+        """End the request here; ``transfer_id`` names the attempt's reservation, which
+        is refused should its ``reserve`` run after this abort."""
 
 
 class RequestDriver:
@@ -117,13 +119,14 @@ class RequestDriver:
         decode: DecodeOps = decision.decode
         prefill: PrefillOps | None = decision.prefill
         finished = False
+        tid = None
         try:
             if prefill is None or produced:  # local prefill, or re-drive after token #1
                 req = DecodeRequest(rid, prompt, params, output_token_ids=tuple(produced))
             else:
-                desc = await decode.reserve(rid, prompt, params, prefill.rank,
-                                            transfer_id(rid, attempt), self.layer_group_size,
-                                            self.checksum)
+                tid = transfer_id(rid, attempt)
+                desc = await decode.reserve(rid, prompt, params, prefill.rank, tid,
+                                            self.layer_group_size, self.checksum)
                 if desc is None:
                     raise ClusterFullError(f"decode worker {decode.worker_id} has no free blocks",
                                            retry_after_s=self.router.config.retry_after_s)
@@ -150,7 +153,7 @@ class RequestDriver:
                     yield delta
         finally:
             if not finished:  # the caller left or a worker failed: free D's blocks and slot
-                await _quietly(decode.abort(rid))
+                await _quietly(decode.abort(rid, tid))
 
 
 def transfer_id(request_id: str, attempt: int) -> str:

@@ -234,3 +234,23 @@ def test_the_earlier_attempts_own_end_does_not_end_a_waiting_redrive(worker):
     asyncio.run(main())
     assert _all_free(worker)
     sender.close()
+
+
+def test_a_reserve_that_arrives_after_its_own_abort_is_refused_and_holds_nothing(worker):
+    # the driver cancelled while its reserve call was in flight and aborted the attempt;
+    # the async actor ran the abort first: the late reserve must not take blocks
+    channel, sender = _connect(worker)
+
+    async def main():
+        await worker.abort("r4", "r4#0.ab")
+        with pytest.raises(TransferFailedError, match="aborted on decode-0 before"):
+            await worker.reserve("r4", PROMPT, PARAMS, 0, "r4#0.ab")
+        assert _all_free(worker)
+        # the abort named that attempt only: a re-drive of the id reserves as usual
+        assert await worker.reserve("r4", PROMPT, PARAMS, 0, "r4#1.cd") is not None
+        await worker.abort("r4", "r4#1.cd")
+    asyncio.run(main())
+    assert _all_free(worker)
+    assert worker._aborted_transfers.keys() == {"r4#1.cd"}  # a tombstone is used once
+    worker._aborted_transfers.clear()
+    sender.close()

@@ -24,6 +24,8 @@ class Worker:
         self.failures: list[BaseException] = []  # raised by the next calls, in order
         self.calls: list[str] = []
         self.aborted: list[str] = []
+        self.aborted_transfers: list[str | None] = []
+        self.reserved_transfers: list[str] = []
 
     def load(self) -> WorkerLoad:
         return WorkerLoad(self.worker_id, self.role, total_blocks=100, free_blocks=100)
@@ -34,6 +36,7 @@ class Worker:
             raise self.failures.pop(0)
 
     async def reserve(self, rid, prompt, params, src_rank, transfer_id, lg, checksum):
+        self.reserved_transfers.append(transfer_id)
         self._maybe_fail("reserve")
         return KVTransferDescriptor(rid, transfer_id, (0,), layer_groups(2, None), src_rank, 9, 1)
 
@@ -47,8 +50,9 @@ class Worker:
         yield TokenDelta(req.request_id, (12, 13)[n - 1:], n, finished=True,
                          finish_reason=FinishReason.LENGTH)
 
-    async def abort(self, rid: str) -> None:
+    async def abort(self, rid: str, transfer_id: str | None = None) -> None:
         self.aborted.append(rid)
+        self.aborted_transfers.append(transfer_id)
 
 
 def _cluster(**driver_kw):
@@ -115,3 +119,14 @@ def test_every_attempt_gets_its_own_transfer_id():
 
     ids = {transfer_id("r", 0), transfer_id("r", 0), transfer_id("r", 1)}
     assert len(ids) == 3 and all(i.startswith("r#") for i in ids)
+
+
+def test_an_attempts_abort_names_its_reservations_transfer():
+    # the decode worker refuses a reserve that runs after its own abort only if the abort
+    # names the attempt: a failed attempt's abort carries that attempt's transfer id
+    router, driver, p, d0, d1 = _cluster()
+    p.failures.append(TransferError("KV transfer TIMED_OUT"))
+    assert asyncio.run(_run(driver)) == [11, 12, 13]
+    reserved = sorted(d0.reserved_transfers + d1.reserved_transfers)  # "r#0.…", "r#1.…"
+    assert [t[:4] for t in reserved] == ["r#0.", "r#1."]
+    assert d0.aborted_transfers + d1.aborted_transfers == [reserved[0]]
