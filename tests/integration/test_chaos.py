@@ -165,9 +165,10 @@ def test_chaos(cluster, prompts, reference):
     assert asyncio.run(_until_ready(cluster)), [w.load() for w in cluster.prefill + cluster.decode]
     stats = wait_all_free(cluster, timeout_s=30)
     assert len(stats) == 3
-    assert all(s["free_blocks"] == s["total_blocks"] and s["held"] == 0 for s in stats), [
+    assert all(s["free_blocks"] == s["total_blocks"] and s["held"] == 0 for s in stats), str([
         {k: s.get(k) for k in ("worker_id", "free_blocks", "total_blocks", "held", "running",
                                "waiting", "request_ids", "pending_transfers")} for s in stats]
+    ) + "\n" + str(_internals(cluster))
     assert cluster.router.pending_summary()["requests"] == 0
     # the abandoned prompts, asked again, come back exact (no corrupted prefix-cache blocks)
     abandoned = sorted(set(out.by_kind["left"]) | set(out.by_kind["cancelled"]))
@@ -180,6 +181,40 @@ def test_chaos(cluster, prompts, reference):
     assert again.summary() == {"completed": len(abandoned)}, (again.summary(), again.errors)
     for i, tokens in again.completed:
         assert tokens == reference[i], f"abandoned prompt {i} answered wrong when asked again"
+
+
+def _internals(cluster) -> dict:
+    """Each worker's bookkeeping of who holds its blocks, read inside its actor."""
+    import ray
+
+    def _probe(worker) -> dict:
+        """Inside a worker's actor: the state that says who still holds its blocks."""
+        def keys(obj, name):
+            try:
+                return sorted(getattr(obj, name))[:20]
+            except Exception as e:  # noqa: BLE001 - read while the engine thread runs
+                return repr(e)
+        sched = worker.engine.scheduler
+        state = {"prefilled": keys(sched, "prefilled"), "reserved": keys(sched, "reserved")}
+        for name in ("_descriptors", "_sending", "_by_transfer", "_transfers", "_reserving",
+                     "_ending"):
+            if hasattr(worker, name):
+                state[name] = keys(worker, name)
+        sender = getattr(worker, "sender", None)
+        if sender is not None:
+            state["sender"] = {"closed": sender._closed, "open": keys(sender, "_open"),
+                               "failed": keys(sender, "_failed"),
+                               "threads alive": (sender._thread.is_alive(),
+                                                 sender._completer.is_alive())}
+        return state
+
+    out = {}
+    for w in cluster.prefill + cluster.decode:
+        try:
+            out[w.worker_id] = ray.get(w.actor.__ray_call__.remote(_probe), timeout=10)
+        except Exception as e:  # noqa: BLE001 - diagnostics only
+            out[w.worker_id] = repr(e)
+    return out
 
 
 async def _until_ready(cluster) -> bool:
