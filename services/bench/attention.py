@@ -9,7 +9,8 @@ table), one cache per layer so no layer finds the previous one's blocks in cache
 Prompts (``--prompt N``): each row is a chunk of N query tokens at the end of its
 ``--context``; prompt attention is bound by compute, so the native kernel is timed
 against the torch path it replaces (gather the blocks, masked SDPA), interleaved
-A B A B in one process, as medians and GFLOP/s.
+A B A B in one process, as medians and GFLOP/s; with a bf16 cache on a CPU with AMX,
+also the bf16 SDPA that the engine runs prompts with there.
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ def _prompt(args: argparse.Namespace, kernels: CpuKernels) -> int:
     """Prompt chunks through the attention backend with and without the native kernels."""
     import torch
 
+    from services.engine.model import cpu_features
     from services.engine.model.attention import (AttentionGroup, AttentionMetadata,
                                                  TorchPagedAttention)
 
@@ -117,8 +119,11 @@ def _prompt(args: argparse.Namespace, kernels: CpuKernels) -> int:
         last_pos=torch.full((rows,), context - 1), mask=mask, first_row=torch.arange(rows) * n,
         first_pos=torch.full((rows,), start), query_len=torch.full((rows,), n))
     meta = AttentionMetadata(slot_mapping=slots, groups=[group])
-    sides = {"native": TorchPagedAttention(d ** -0.5, kernels=kernels),
-             "torch": TorchPagedAttention(d ** -0.5)}
+    sides = {"native": TorchPagedAttention(d ** -0.5, kernels=kernels, amx_prompts=False),
+             "torch": TorchPagedAttention(d ** -0.5, amx_prompts=False)}
+    if dtype == torch.bfloat16 and cpu_features.has_amx_bf16():
+        sides["bf16 SDPA (AMX)"] = TorchPagedAttention(d ** -0.5, kernels=kernels,
+                                                       amx_prompts=True)
     times: dict[str, list[float]] = {name: [] for name in sides}
     for i in range(args.repeats + 1):
         for name, attend in sides.items():
@@ -128,12 +133,14 @@ def _prompt(args: argparse.Namespace, kernels: CpuKernels) -> int:
             if i:  # the first round warms up
                 times[name].append(time.perf_counter() - t0)
     flops = 4 * args.heads * d * rows * (n * start + n * n / 2) * args.layers
-    native, plain = (statistics.median(times[name]) for name in sides)
+    medians = {name: statistics.median(times[name]) for name in sides}
+    plain = medians["torch"]
     print(runinfo.machine_line())
     print(f"prompt attention, {rows} rows x {n} tokens at {start}..{context - 1}, "
           f"{args.heads}/{kvh} heads of {d}, {args.layers} layers, {args.kv_dtype} KV, "
           f"{args.threads} threads, medians of {args.repeats} interleaved:")
-    print(f"  native {1e3 * native:.2f} ms ({flops / native / 1e9:.0f} GFLOP/s), "
-          f"gather + SDPA {1e3 * plain:.2f} ms ({flops / plain / 1e9:.0f} GFLOP/s): "
-          f"{plain / native:.2f}x")
+    print(f"  gather + SDPA {1e3 * plain:.2f} ms ({flops / plain / 1e9:.0f} GFLOP/s)")
+    for name, t in medians.items():
+        if name != "torch":
+            print(f"  {name} {1e3 * t:.2f} ms ({flops / t / 1e9:.0f} GFLOP/s): {plain / t:.2f}x")
     return 0

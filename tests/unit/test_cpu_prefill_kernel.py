@@ -133,6 +133,36 @@ def test_the_backend_keeps_sdpa_where_the_cpu_cannot_run_the_kernel(monkeypatch)
     torch.testing.assert_close(out, plain)
 
 
+@pytest.mark.parametrize("chunk", [False, True])
+def test_prompts_over_a_bf16_cache_attend_in_bf16_where_the_cpu_has_amx(monkeypatch, chunk):
+    """With ``amx_prompts`` a prompt group over a bf16 cache is one bf16 SDPA (the native
+    kernel is not called); its output stays within bf16 rounding of the fp32 math over the
+    same cache, for a whole prompt (causal) and a later chunk (masked)."""
+    if chunk:
+        q, k, v, k_cache, v_cache, meta = _chunk_case()
+    else:
+        q, k_cache, v_cache, table, _ = _case(9, 3, 64, torch.float32, 16, [0], [150])
+        q = q[1:-1]
+        k, v = torch.randn(150, 3, 64), torch.randn(150, 3, 64)
+        slots = (table[0][torch.arange(150) // 16] * 16 + torch.arange(150) % 16)
+        meta = AttentionMetadata(slot_mapping=slots, groups=[AttentionGroup(
+            token_index=torch.arange(150)[None], valid_flat=None, token_rows=torch.arange(150),
+            block_table=table, last_pos=torch.tensor([149]), mask=None,
+            first_row=torch.tensor([0]), first_pos=torch.tensor([0]),
+            query_len=torch.tensor([150]))])
+    k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
+    calls = []
+    if kernels is not None:
+        monkeypatch.setattr(kernels, "paged_prefill", _counting(kernels.paged_prefill, calls))
+    amx = TorchPagedAttention(0.125, kernels=kernels, amx_prompts=True)(
+        q, k, v, k_cache.clone(), v_cache.clone(), meta)
+    assert calls == [] and amx.dtype == torch.float32
+    fp32 = TorchPagedAttention(0.125, amx_prompts=False)(q, k, v, k_cache.clone(),
+                                                        v_cache.clone(), meta)
+    torch.testing.assert_close(amx, fp32, atol=2e-2, rtol=2e-2)
+    assert (amx - fp32).abs().max() > 0  # computed in bf16, not the fp32 path again
+
+
 def _counting(fn, calls):
     def wrapper(*args, **kwargs):
         calls.append(1)
@@ -149,6 +179,6 @@ def test_bench_attention_times_prompts_against_sdpa(capsys, context, start):
                  "--layers", "2", "--repeats", "2", "--threads", "1"]) == 0
     out = capsys.readouterr().out
     assert f"2 rows x 40 tokens at {start}..{context - 1}, 9/3 heads of 64, 2 layers" in out
-    times = re.search(r"native ([\d.]+) ms \(\d+ GFLOP/s\), gather \+ SDPA ([\d.]+) ms \(\d+ GFLOP/s\)",
-                      out)
-    assert times and float(times.group(1)) > 0 and float(times.group(2)) > 0, out
+    plain = re.search(r"gather \+ SDPA ([\d.]+) ms \(\d+ GFLOP/s\)", out)
+    native = re.search(r"native ([\d.]+) ms \(\d+ GFLOP/s\): ([\d.]+)x", out)
+    assert plain and native and float(plain.group(1)) > 0 and float(native.group(1)) > 0, out

@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from services.engine.model import cpu_features
 from services.engine.model.cpu_kernels import CpuKernels
 
 
@@ -86,15 +87,20 @@ class TorchPagedAttention:
     With ``kernels`` (CPU, fp32 activations, fp32 or bf16 KV), no group is gathered:
     native kernels read each sequence's blocks where they lie, one for decode rows and
     one for prompt chunks (where the CPU and head size allow; SDPA otherwise).
+
+    With ``amx_prompts`` (default: the CPU has AMX bf16 tiles), prompt and verify groups
+    over a bf16 cache are one bf16 SDPA instead: torch's bf16 kernel runs its products on
+    AMX, 2.6-3x the fp32 math of the native kernel or of SDPA over widened keys.
     """
 
     uses_varlen = False
 
     def __init__(self, scale: float, sliding_window: int | None = None,
-                 kernels: CpuKernels | None = None) -> None:
+                 kernels: CpuKernels | None = None, amx_prompts: bool | None = None) -> None:
         self.scale = scale
         self.sliding_window = sliding_window
         self.kernels = kernels
+        self.amx_prompts = cpu_features.has_amx_bf16() if amx_prompts is None else amx_prompts
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -107,7 +113,13 @@ class TorchPagedAttention:
                 and meta.groups[0].token_index.shape[1] == 1:
             return self._group(q, k_cache, v_cache, meta.groups[0])[:, 0]  # pure decode step
         out = q.new_empty(q.shape)  # contiguous even where q is a strided view of qkv
+        bf16_prompts = self.amx_prompts and k_cache.dtype == torch.bfloat16
         for g in meta.groups:
+            if bf16_prompts and g.token_index.shape[1] > 1:
+                o = self._group(q, k_cache, v_cache, g, torch.bfloat16)  # [B, Q, H, D]
+                o = o.reshape(-1, o.shape[2], o.shape[3])
+                out[g.token_rows] = o if g.valid_flat is None else o[g.valid_flat]
+                continue
             if native and g.token_index.shape[1] == 1:
                 self.kernels.paged_decode(q, out, g.token_rows, k_cache, v_cache,
                                           g.block_table, g.last_pos, self.sliding_window,
@@ -124,12 +136,15 @@ class TorchPagedAttention:
         return out
 
     def _group(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               g: AttentionGroup) -> torch.Tensor:
-        qg = q[g.token_index].transpose(1, 2)  # [B, H, Q, D]
+               g: AttentionGroup, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """One SDPA over the group's gathered blocks, computed in ``dtype`` (default: q's);
+        returns ``[B, Q, H, D]`` in q's dtype."""
+        dtype = dtype or q.dtype
+        qg = q[g.token_index].transpose(1, 2).to(dtype)  # [B, H, Q, D]
         keys = None if g.mask is not None else qg.shape[2]  # causal: the first Q keys
-        kg = k_cache[g.block_table].flatten(1, 2)[:, :keys].transpose(1, 2).to(q.dtype)  # [B, KVH, K, D]
-        vg = v_cache[g.block_table].flatten(1, 2)[:, :keys].transpose(1, 2).to(q.dtype)
+        kg = k_cache[g.block_table].flatten(1, 2)[:, :keys].transpose(1, 2).to(dtype)  # [B, KVH, K, D]
+        vg = v_cache[g.block_table].flatten(1, 2)[:, :keys].transpose(1, 2).to(dtype)
         o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.scale,
                                            is_causal=g.mask is None,
                                            enable_gqa=qg.shape[1] != kg.shape[1])
-        return o.transpose(1, 2)  # [B, Q, H, D]
+        return o.transpose(1, 2).to(q.dtype)  # [B, Q, H, D]

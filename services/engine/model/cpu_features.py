@@ -24,3 +24,9 @@ def cpu_flags() -> frozenset[str]:
 def has_native_bf16(flags: frozenset[str] | None = None) -> bool:
     """Whether the CPU computes bf16 products natively (else oneDNN would emulate them)."""
     return bool(BF16_FLAGS & (cpu_flags() if flags is None else flags))
+
+
+def has_amx_bf16(flags: frozenset[str] | None = None) -> bool:
+    """Whether the CPU has AMX bf16 tiles (Sapphire Rapids+), on which torch's bf16
+    attention kernel runs its products."""
+    return "amx_bf16" in (cpu_flags() if flags is None else flags)
