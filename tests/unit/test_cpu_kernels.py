@@ -102,6 +102,51 @@ def test_silu_mul_matches_torch_over_a_wide_range():
                                atol=1e-6, rtol=2e-6)
 
 
+def test_bf16_silu_mul_is_the_fp32_kernel_on_widened_values_rounded_once():
+    gate_up = torch.cat([torch.linspace(-100, 100, 4000).view(40, 100), torch.randn(40, 100)],
+                        dim=1)
+    gate_up[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 3e38])
+    gate_up = gate_up.bfloat16()
+    out = kernels.silu_mul(gate_up)
+    assert out.dtype == torch.bfloat16 and out.shape == (40, 100)
+    wide = kernels.silu_mul(gate_up.float()).to(torch.bfloat16)
+    assert torch.equal(out.isnan(), wide.isnan()) and out.isnan().any()
+    assert torch.equal(out.nan_to_num(0.0).view(torch.int16), wide.nan_to_num(0.0).view(torch.int16))
+
+
+def test_silu_mul_refuses_what_it_cannot_compute():
+    with pytest.raises(ValueError, match="fp32 or bf16"):
+        kernels.silu_mul(torch.zeros(4, 8, dtype=torch.float16))
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.silu_mul(torch.zeros(8, 4).t())
+
+
+def test_a_bf16_mlp_keeps_its_interior_bf16_with_the_same_result():
+    """gate|up's bf16 product into SiLU·mul and on to down unwidened: bit-identical to
+    widening it, the fp32 kernel, and down rounding its input (rows past the GEMV)."""
+    from services.engine.model import onednn
+    from services.engine.model.layer_ops import NativeLayerOps, TorchLayerOps
+
+    if not onednn.available(torch.device("cpu")):
+        pytest.skip("no oneDNN linear in this torch")
+    gen = torch.Generator().manual_seed(0)
+    gate_up = onednn.CpuLinear(torch.randn(2 * 96, 64, generator=gen) / 8, None, torch.bfloat16)
+    down = onednn.CpuLinear(torch.randn(64, 96, generator=gen) / 8, None, torch.bfloat16)
+    ops = NativeLayerOps(kernels)
+    for rows in (1, 2, 3, 37):
+        h = torch.randn(rows, 64, generator=gen)
+        widened = down(kernels.silu_mul(gate_up(h)))
+        torch.testing.assert_close(TorchLayerOps().mlp(h, gate_up, down), widened,
+                                   atol=1e-2, rtol=1e-2)
+        calls = []
+        product = gate_up.product
+        gate_up.product = lambda x: calls.append(1) or product(x)
+        out = ops.mlp(h, gate_up, down)
+        del gate_up.product
+        assert out.dtype == torch.float32 and torch.equal(out, widened)
+        assert calls == ([1] if gate_up.takes_rows_whole(rows) else [])
+
+
 def test_a_failed_build_falls_back_to_none(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))

@@ -77,9 +77,11 @@ class CpuKernels:
         self._rope = lib.tandem_rope_f32
         self._rope.restype = None
         self._rope.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64]
-        self._silu_mul = lib.tandem_silu_mul_f32
-        self._silu_mul.restype = None
-        self._silu_mul.argtypes = [_ptr, _ptr, _i64, _i64]
+        self._silu_mul = {}
+        for dtype, name in _KV_DTYPES.items():
+            fn = self._silu_mul[dtype] = getattr(lib, f"tandem_silu_mul_{name}")
+            fn.restype = None
+            fn.argtypes = [_ptr, _ptr, _i64, _i64]
 
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> torch.Tensor:
@@ -108,11 +110,16 @@ class CpuKernels:
                    cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), q.shape[0], q.shape[2])
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """``silu(gate) * up`` of a fused ``[T, 2I]`` projection, as ``[T, I]``."""
-        _check_f32(gate_up)
+        """``silu(gate) * up`` of a fused ``[T, 2I]`` projection, as ``[T, I]``, fp32 or
+        bf16 (computed in fp32, rounded to bf16 once)."""
+        fn = self._silu_mul.get(gate_up.dtype)
+        if fn is None or gate_up.dim() != 2 or not gate_up.is_contiguous() \
+                or gate_up.device.type != "cpu":
+            raise ValueError(f"silu_mul needs a contiguous [T, 2I] fp32 or bf16 CPU tensor, "
+                             f"not {gate_up.dtype} {tuple(gate_up.shape)}")
         rows, width = gate_up.shape
         out = gate_up.new_empty(rows, width // 2)
-        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
+        fn(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
         return out
 
     def paged_decode(self, q: torch.Tensor, out: torch.Tensor, rows: torch.Tensor,

@@ -65,7 +65,7 @@ class DecoderLayer(nn.Module):
         q, k = ops.rope(rope, q, k, positions)
         o = attn(q, k, v, k_cache, v_cache, meta)  # [T, H, D]
         x, h = ops.add_norm(x, self.o_proj(o.reshape(t, -1)), self.post_attention_layernorm)
-        return x, self.down_proj(ops.silu_mul(self.gate_up_proj(h)))
+        return x, ops.mlp(h, self.gate_up_proj, self.down_proj)
 
 
 class LlamaModel(nn.Module):

@@ -67,11 +67,21 @@ class CpuLinear(nn.Module):
             rounded = flat.to(self.weight.dtype).float().contiguous()
             y = self.kernels.gemv(rounded, self.weight, self.bias).to(self.weight.dtype).float()
         else:
-            if self.weight.dtype != torch.float32:
-                flat = flat.to(self.weight.dtype)
-            y = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), self.weight, self.onednn_bias,
-                                                   "none", [], "").float()
+            y = self.product(flat).float()
         return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def takes_rows_whole(self, rows: int) -> bool:
+        """Whether ``rows`` rows go to oneDNN (not the GEMV), which computes in the
+        weight's dtype: then ``product`` is ``forward`` without the widening."""
+        return rows > self.gemv_rows
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, in]`` (fp32, or already in the weight's dtype) @ W.T + b by oneDNN, in
+        the weight's dtype ``[T, out]``."""
+        if x.dtype != self.weight.dtype:
+            x = x.to(self.weight.dtype)
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.onednn_bias,
+                                                  "none", [], "")
 
     def weight_tensors(self) -> list[torch.Tensor]:
         """The tensors this layer stores (``LlamaModel.weight_bytes`` counts shared ones once;

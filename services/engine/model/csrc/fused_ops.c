@@ -1,10 +1,11 @@
-/* Fused elementwise steps of a decoder layer on CPU (fp32), one pass each over
- * memory where torch takes several. Rows are split over OpenMP threads.
+/* Fused elementwise steps of a decoder layer on CPU (fp32; SiLU·mul also bf16), one
+ * pass each over memory where torch takes several. Rows are split over OpenMP threads.
  * Built with -std=c11 (no FMA contraction), so RoPE rounds as torch does. */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kv_load.h"
 #include "team.h"
 #include "vexp.h"
 
@@ -62,6 +63,29 @@ void tandem_silu_mul_f32(const float *gu, float *out, int64_t rows, int64_t inte
         for (int64_t i = 0; i < inter; ++i) {
             const float x = g[i];
             o[i] = x / (1.f + tandem_expf(-x)) * u[i];
+        }
+    }
+}
+
+/* fp32 -> bf16, rounded to nearest even as torch rounds it (a NaN stays a NaN). */
+static inline uint16_t tandem_round_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* tandem_silu_mul_f32 on bf16 gu and out: each value widened, the same fp32 math, the
+ * result rounded to bf16 (what widening gu, the fp32 kernel and rounding its output give). */
+void tandem_silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t rows, int64_t inter) {
+#pragma omp parallel for num_threads(tandem_team(rows)) schedule(static)
+    for (int64_t t = 0; t < rows; ++t) {
+        const uint16_t *restrict g = gu + t * 2 * inter, *restrict u = g + inter;
+        uint16_t *restrict o = out + t * inter;
+#pragma omp simd
+        for (int64_t i = 0; i < inter; ++i) {
+            const float x = tandem_load_bf16(g + i);
+            o[i] = tandem_round_bf16(x / (1.f + tandem_expf(-x)) * tandem_load_bf16(u + i));
         }
     }
 }
