@@ -53,20 +53,6 @@ void tandem_rope_f32(float *q, int64_t q_stride, int64_t nq, float *k, int64_t k
     }
 }
 
-/* out[t, i] = silu(gu[t, i]) * gu[t, inter + i]; gu: [T, 2*inter], out: [T, inter]. */
-void tandem_silu_mul_f32(const float *gu, float *out, int64_t rows, int64_t inter) {
-#pragma omp parallel for num_threads(tandem_team(rows)) schedule(static)
-    for (int64_t t = 0; t < rows; ++t) {
-        const float *restrict g = gu + t * 2 * inter, *restrict u = g + inter;
-        float *restrict o = out + t * inter;
-#pragma omp simd
-        for (int64_t i = 0; i < inter; ++i) {
-            const float x = g[i];
-            o[i] = x / (1.f + tandem_expf(-x)) * u[i];
-        }
-    }
-}
-
 /* fp32 -> bf16, rounded to nearest even as torch rounds it (a NaN stays a NaN). */
 static inline uint16_t tandem_round_bf16(float f) {
     uint32_t bits;
@@ -75,17 +61,24 @@ static inline uint16_t tandem_round_bf16(float f) {
     return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
-/* tandem_silu_mul_f32 on bf16 gu and out: each value widened, the same fp32 math, the
- * result rounded to bf16 (what widening gu, the fp32 kernel and rounding its output give). */
-void tandem_silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t rows, int64_t inter) {
-#pragma omp parallel for num_threads(tandem_team(rows)) schedule(static)
-    for (int64_t t = 0; t < rows; ++t) {
-        const uint16_t *restrict g = gu + t * 2 * inter, *restrict u = g + inter;
-        uint16_t *restrict o = out + t * inter;
-#pragma omp simd
-        for (int64_t i = 0; i < inter; ++i) {
-            const float x = tandem_load_bf16(g + i);
-            o[i] = tandem_round_bf16(x / (1.f + tandem_expf(-x)) * tandem_load_bf16(u + i));
-        }
+static inline float tandem_store_f32(float f) { return f; }
+
+/* out[t, i] = silu(gu[t, i]) * gu[t, inter + i]; gu: [T, 2*inter], out: [T, inter], both
+ * of element type T: fp32, or bf16 (each value widened, the fp32 math, the result rounded
+ * once: what widening gu, the fp32 kernel and rounding its output give). */
+#define SILU_MUL(name, T, load, store)                                                     \
+    void name(const T *gu, T *out, int64_t rows, int64_t inter) {                         \
+        _Pragma("omp parallel for num_threads(tandem_team(rows)) schedule(static)")       \
+        for (int64_t t = 0; t < rows; ++t) {                                              \
+            const T *restrict g = gu + t * 2 * inter, *restrict u = g + inter;            \
+            T *restrict o = out + t * inter;                                              \
+            _Pragma("omp simd")                                                           \
+            for (int64_t i = 0; i < inter; ++i) {                                         \
+                const float x = load(g + i);                                              \
+                o[i] = store(x / (1.f + tandem_expf(-x)) * load(u + i));                  \
+            }                                                                             \
+        }                                                                                 \
     }
-}
+
+SILU_MUL(tandem_silu_mul_f32, float, tandem_load_f32, tandem_store_f32)
+SILU_MUL(tandem_silu_mul_bf16, uint16_t, tandem_load_bf16, tandem_round_bf16)
