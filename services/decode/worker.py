@@ -184,7 +184,8 @@ class DecodeWorker(EngineWorker):
         of the id (``_settled``) included; a stream waiting on it ends with ``abort``.
         ``transfer_id``: the aborted attempt's, whose ``reserve`` is refused should it
         arrive after this."""
-        if transfer_id is not None:
+        reserved = self._transfers.get(request_id, (None, None))[0]
+        if transfer_id is not None and transfer_id != reserved:  # its reserve may be late
             self._aborted_transfers[transfer_id] = None
             while len(self._aborted_transfers) > ABORTED_TRANSFERS_KEPT:
                 self._aborted_transfers.popitem(last=False)

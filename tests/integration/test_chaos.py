@@ -197,15 +197,18 @@ def _internals(cluster) -> dict:
         sched = worker.engine.scheduler
         state = {"prefilled": keys(sched, "prefilled"), "reserved": keys(sched, "reserved")}
         for name in ("_descriptors", "_sending", "_by_transfer", "_transfers", "_reserving",
-                     "_ending"):
+                     "_ending", "_settling", "_aborted_transfers"):
             if hasattr(worker, name):
                 state[name] = keys(worker, name)
         sender = getattr(worker, "sender", None)
         if sender is not None:
-            state["sender"] = {"closed": sender._closed, "open": keys(sender, "_open"),
-                               "failed": keys(sender, "_failed"),
-                               "threads alive": (sender._thread.is_alive(),
-                                                 sender._completer.is_alive())}
+            try:
+                state["sender"] = {"closed": sender._closed, "open": keys(sender, "_open"),
+                                   "failed": keys(sender, "_failed"),
+                                   "threads alive": (sender._thread.is_alive(),
+                                                     sender._completer.is_alive())}
+            except Exception as e:  # noqa: BLE001 - diagnostics only
+                state["sender"] = repr(e)
         return state
 
     out = {}

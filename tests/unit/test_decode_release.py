@@ -251,6 +251,6 @@ def test_a_reserve_that_arrives_after_its_own_abort_is_refused_and_holds_nothing
         await worker.abort("r4", "r4#1.cd")
     asyncio.run(main())
     assert _all_free(worker)
-    assert worker._aborted_transfers.keys() == {"r4#1.cd"}  # a tombstone is used once
-    worker._aborted_transfers.clear()
+    # a tombstone is used once, and an abort of a reservation made here leaves none
+    assert not worker._aborted_transfers
     sender.close()

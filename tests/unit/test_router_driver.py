@@ -130,3 +130,28 @@ def test_an_attempts_abort_names_its_reservations_transfer():
     reserved = sorted(d0.reserved_transfers + d1.reserved_transfers)  # "r#0.…", "r#1.…"
     assert [t[:4] for t in reserved] == ["r#0.", "r#1."]
     assert d0.aborted_transfers + d1.aborted_transfers == [reserved[0]]
+
+
+def test_a_caller_leaving_during_reserve_aborts_that_attempts_transfer():
+    # the case the transfer id is for: the reserve call still in flight when the caller
+    # leaves; the abort that follows must name it, whichever runs first on the worker
+    router, driver, p, d0, d1 = _cluster()
+    started = asyncio.Event()
+
+    async def reserve_forever(rid, prompt, params, src_rank, transfer_id, lg, checksum):
+        for d in (d0, d1):
+            d.reserved_transfers.append(transfer_id)
+        started.set()
+        await asyncio.Event().wait()
+
+    d0.reserve = d1.reserve = reserve_forever
+
+    async def main():
+        task = asyncio.ensure_future(_run(driver))
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    asyncio.run(main())
+    tid = d0.reserved_transfers[0]
+    assert d0.aborted_transfers + d1.aborted_transfers == [tid] and router.in_flight() == 0
