@@ -130,8 +130,12 @@ def test_a_bf16_mlp_keeps_its_interior_bf16_with_the_same_result():
     if not onednn.available(torch.device("cpu")):
         pytest.skip("no oneDNN linear in this torch")
     gen = torch.Generator().manual_seed(0)
-    gate_up = onednn.CpuLinear(torch.randn(2 * 96, 64, generator=gen) / 8, None, torch.bfloat16)
-    down = onednn.CpuLinear(torch.randn(64, 96, generator=gen) / 8, None, torch.bfloat16)
+    # the plain layout: one or two bf16 rows go to the GEMV, and the MLP keeps fp32 there
+    gate_up = onednn.CpuLinear(torch.randn(2 * 96, 64, generator=gen) / 8, None, torch.bfloat16,
+                               blocked=False)
+    down = onednn.CpuLinear(torch.randn(64, 96, generator=gen) / 8, None, torch.bfloat16,
+                            blocked=False)
+    assert [gate_up.runs_on_onednn(r) for r in (1, 2, 3)] == [False, False, True]
     ops = NativeLayerOps(kernels)
     for rows in (1, 2, 3, 37):
         h = torch.randn(rows, 64, generator=gen)
@@ -144,7 +148,7 @@ def test_a_bf16_mlp_keeps_its_interior_bf16_with_the_same_result():
         out = ops.mlp(h, gate_up, down)
         del gate_up.product
         assert out.dtype == torch.float32 and torch.equal(out, widened)
-        assert calls == ([1] if gate_up.takes_rows_whole(rows) else [])
+        assert calls == ([1] if gate_up.runs_on_onednn(rows) else [])
 
 
 def test_a_failed_build_falls_back_to_none(monkeypatch, tmp_path, caplog):

@@ -152,8 +152,7 @@ def test_prompts_over_a_bf16_cache_attend_in_bf16_where_the_cpu_has_amx(monkeypa
             query_len=torch.tensor([150]))])
     k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
     calls = []
-    if kernels is not None:
-        monkeypatch.setattr(kernels, "paged_prefill", _counting(kernels.paged_prefill, calls))
+    monkeypatch.setattr(kernels, "paged_prefill", _counting(kernels.paged_prefill, calls))
     amx = TorchPagedAttention(0.125, kernels=kernels, amx_prompts=True)(
         q, k, v, k_cache.clone(), v_cache.clone(), meta)
     assert calls == [] and amx.dtype == torch.float32

@@ -3,7 +3,8 @@
 ``AttentionBackend`` is the seam where a kernel plugs in. ``TorchPagedAttention``
 is the CPU path: the native kernels (``cpu_kernels.py``, reading blocks in place)
 for decode groups and, where the CPU has AVX-512, prompt groups, when they are
-loaded; SDPA over gathered blocks otherwise. ``TritonPagedAttention``
+loaded (with AMX, prompts over a bf16 cache take a bf16 SDPA); SDPA over gathered
+blocks otherwise. ``TritonPagedAttention``
 (``triton_attention.py``) is the CUDA path, reading blocks in place for every
 step kind. The runner builds ``AttentionMetadata`` once per step, in the form
 the backend asks for (``uses_varlen``), and every layer reuses it.
@@ -19,6 +20,8 @@ import torch.nn.functional as F
 
 from services.engine.model import cpu_features
 from services.engine.model.cpu_kernels import CpuKernels
+
+AMX_MIN_QUERY = 16  # rows of an AMX tile: shorter groups leave it mostly empty
 
 
 @dataclass
@@ -88,9 +91,11 @@ class TorchPagedAttention:
     native kernels read each sequence's blocks where they lie, one for decode rows and
     one for prompt chunks (where the CPU and head size allow; SDPA otherwise).
 
-    With ``amx_prompts`` (default: the CPU has AMX bf16 tiles), prompt and verify groups
-    over a bf16 cache are one bf16 SDPA instead: torch's bf16 kernel runs its products on
-    AMX, 2.6-3x the fp32 math of the native kernel or of SDPA over widened keys.
+    With ``amx_prompts`` (default: the CPU has AMX bf16 tiles), prompt groups of at least
+    ``AMX_MIN_QUERY`` rows over a bf16 cache are one bf16 SDPA instead: torch's bf16
+    kernel runs its products on AMX, 1.3-2x the native kernel's fp32 math (2.3-2.7x SDPA
+    over widened keys) on prompts of 256-4,096 tokens. Shorter groups (speculative
+    verify rows, short chunks) keep the native kernel, which reads blocks in place.
     """
 
     uses_varlen = False
@@ -115,7 +120,7 @@ class TorchPagedAttention:
         out = q.new_empty(q.shape)  # contiguous even where q is a strided view of qkv
         bf16_prompts = self.amx_prompts and k_cache.dtype == torch.bfloat16
         for g in meta.groups:
-            if bf16_prompts and g.token_index.shape[1] > 1:
+            if bf16_prompts and g.token_index.shape[1] >= AMX_MIN_QUERY:
                 o = self._group(q, k_cache, v_cache, g, torch.bfloat16)  # [B, Q, H, D]
                 o = o.reshape(-1, o.shape[2], o.shape[3])
                 out[g.token_rows] = o if g.valid_flat is None else o[g.valid_flat]

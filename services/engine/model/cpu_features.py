@@ -28,5 +28,10 @@ def has_native_bf16(flags: frozenset[str] | None = None) -> bool:
 
 def has_amx_bf16(flags: frozenset[str] | None = None) -> bool:
     """Whether the CPU has AMX bf16 tiles (Sapphire Rapids+), on which torch's bf16
-    attention kernel runs its products."""
-    return "amx_bf16" in (cpu_flags() if flags is None else flags)
+    attention kernel runs its products, and the OS lets this process use them."""
+    if "amx_bf16" not in (cpu_flags() if flags is None else flags):
+        return False
+    import torch
+
+    usable = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return usable is None or bool(usable())

@@ -65,6 +65,6 @@ class NativeLayerOps(TorchLayerOps):
         rows = h.shape[0]
         if isinstance(gate_up, CpuLinear) and isinstance(down, CpuLinear) \
                 and gate_up.weight.dtype == down.weight.dtype == torch.bfloat16 \
-                and gate_up.takes_rows_whole(rows) and down.takes_rows_whole(rows):
+                and gate_up.runs_on_onednn(rows) and down.runs_on_onednn(rows):
             return down(self.kernels.silu_mul(gate_up.product(h)))
         return super().mlp(h, gate_up, down)

@@ -70,7 +70,7 @@ class CpuLinear(nn.Module):
             y = self.product(flat).float()
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
-    def takes_rows_whole(self, rows: int) -> bool:
+    def runs_on_onednn(self, rows: int) -> bool:
         """Whether ``rows`` rows go to oneDNN (not the GEMV), which computes in the
         weight's dtype: then ``product`` is ``forward`` without the widening."""
         return rows > self.gemv_rows
