@@ -231,7 +231,12 @@ class PrefillWorker(EngineWorker):
             self._by_transfer.pop(report.transfer_id, None)
             self._descriptors.pop(rid, None)
             self._sending.discard(rid)
-            e.release(rid)
+            e.release(rid)  # held for export since its first token
+            # or still scheduled: a step that ran it failed after its sends were queued
+            # (``_end_on_engine`` left it to this release); it would end held, by nobody
+            out = e.abort(rid)
+            if out is not None:
+                self.loop.dispatch([out])
         self.loop.submit(release)
 
     def shutdown(self) -> None:

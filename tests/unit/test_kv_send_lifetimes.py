@@ -13,6 +13,7 @@ from __future__ import annotations
 import queue
 import threading
 
+import pytest
 import torch
 
 from services.engine.kv_cache.paged_cache import PagedKVCache
@@ -216,4 +217,64 @@ def test_a_redrive_to_the_same_prefill_worker_waits_for_the_earlier_attempts_rel
         assert not worker.engine.scheduler.seqs, "a prefilled request is held for good"
         assert worker.engine.block_pool.num_free == worker.engine.block_pool.num_blocks
     finally:
+        worker.shutdown()
+
+
+def test_a_step_that_fails_after_its_sends_were_queued_leaves_nothing_held(tiny_model_dir):
+    """The step computing a prompt queues its KV's send, then raises (in sampling). The
+    request's abort finds its send queued and leaves it to the send's report; that
+    report's release comes before the request runs again (the engine is held between), and
+    must end the request although it never reached the held-for-export state: otherwise
+    the next step finishes its prefill and holds its blocks with nobody to free them."""
+    import asyncio
+
+    from services.common.config import CacheConfig, EngineConfig
+    from services.common.sampling_params import SamplingParams
+    from services.prefill.worker import PrefillFailedError, PrefillWorker
+    from services.protocol.messages import KVTransferDescriptor
+    from services.protocol.request_path import PrefillRequest
+    from services.transfer.endpoint import make_sender
+
+    worker = PrefillWorker("prefill-0", EngineConfig(model=str(tiny_model_dir),
+                                                     cache=CacheConfig(num_blocks=16)))
+    channel = GatedChannel()
+    worker.sender = make_sender(channel, worker.engine, worker._on_sent, None)
+    worker._joined = True
+    layers = worker.engine.model_config.num_layers
+    prompt = tuple(range(3, 23))
+    runner, hold = worker.engine.runner, threading.Event()
+    sample = runner._sample
+
+    def failing_once(*args, **kwargs):
+        runner._sample = sample
+        worker.loop.submit(lambda e: hold.wait(30))  # the engine waits after this step
+        raise RuntimeError("sampling failed")
+    runner._sample = failing_once
+
+    async def main():
+        prefill = asyncio.ensure_future(worker.prefill(PrefillRequest(
+            "r", prompt, SamplingParams(temperature=0.0), KVTransferDescriptor(
+                request_id="r", transfer_id="r#0", block_ids=(3, 4),
+                layer_groups=((0, layers),), src_rank=0, dst_rank=1,
+                num_prompt_tokens=len(prompt)))))
+        for _ in range(3000):
+            if worker.loop.failed_steps:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)  # the request's abort is queued behind the held engine
+        assert "r" in worker._sending
+        # its send fails (the peer left): the report's release is queued after the abort
+        worker._on_sent(SendReport("r#0", False, "ConnectionError: peer left", 0, 0.0))
+        hold.set()
+        with pytest.raises(PrefillFailedError, match="sampling failed"):
+            await prefill
+        await asyncio.sleep(0.5)  # a step that would run it again has had its chance
+
+    try:
+        asyncio.run(main())
+        assert worker.loop.failed_steps == 1 and worker.transfer_failures == 1
+        assert not worker.engine.scheduler.seqs, "a prefilled request is held for good"
+        assert worker.engine.block_pool.num_free == worker.engine.block_pool.num_blocks
+    finally:
+        channel.gate.set()  # the real send ends; its report finds the transfer gone
         worker.shutdown()
