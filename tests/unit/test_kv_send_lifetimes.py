@@ -160,6 +160,20 @@ def test_a_prefill_worker_that_left_its_group_fails_a_transfer_once(tiny_model_d
         worker.shutdown()
 
 
+def _prefill_worker_with_gated_sends(tiny_model_dir):
+    """A real PrefillWorker (tiny model, 16 blocks) whose sends go to a ``GatedChannel``."""
+    from services.common.config import CacheConfig, EngineConfig
+    from services.prefill.worker import PrefillWorker
+    from services.transfer.endpoint import make_sender
+
+    worker = PrefillWorker("prefill-0", EngineConfig(model=str(tiny_model_dir),
+                                                     cache=CacheConfig(num_blocks=16)))
+    channel = GatedChannel()
+    worker.sender = make_sender(channel, worker.engine, worker._on_sent, None)
+    worker._joined = True
+    return worker, channel
+
+
 def test_a_redrive_to_the_same_prefill_worker_waits_for_the_earlier_attempts_release(
         tiny_model_dir):
     """Attempt 1's transfer fails while the engine is busy, so its release is queued; attempt
@@ -168,18 +182,11 @@ def test_a_redrive_to_the_same_prefill_worker_waits_for_the_earlier_attempts_rel
     descriptor and its prompt KV is held for good."""
     import asyncio
 
-    from services.common.config import CacheConfig, EngineConfig
     from services.common.sampling_params import SamplingParams
-    from services.prefill.worker import PrefillWorker
     from services.protocol.messages import KVTransferDescriptor
     from services.protocol.request_path import PrefillRequest
-    from services.transfer.endpoint import make_sender
 
-    worker = PrefillWorker("prefill-0", EngineConfig(model=str(tiny_model_dir),
-                                                     cache=CacheConfig(num_blocks=16)))
-    channel = GatedChannel()
-    worker.sender = make_sender(channel, worker.engine, worker._on_sent, None)
-    worker._joined = True
+    worker, channel = _prefill_worker_with_gated_sends(tiny_model_dir)
     layers = worker.engine.model_config.num_layers
     prompt, params = tuple(range(3, 23)), SamplingParams(temperature=0.0, max_tokens=4)
 
@@ -228,18 +235,12 @@ def test_a_step_that_fails_after_its_sends_were_queued_leaves_nothing_held(tiny_
     the next step finishes its prefill and holds its blocks with nobody to free them."""
     import asyncio
 
-    from services.common.config import CacheConfig, EngineConfig
     from services.common.sampling_params import SamplingParams
-    from services.prefill.worker import PrefillFailedError, PrefillWorker
+    from services.prefill.worker import PrefillFailedError
     from services.protocol.messages import KVTransferDescriptor
     from services.protocol.request_path import PrefillRequest
-    from services.transfer.endpoint import make_sender
 
-    worker = PrefillWorker("prefill-0", EngineConfig(model=str(tiny_model_dir),
-                                                     cache=CacheConfig(num_blocks=16)))
-    channel = GatedChannel()
-    worker.sender = make_sender(channel, worker.engine, worker._on_sent, None)
-    worker._joined = True
+    worker, channel = _prefill_worker_with_gated_sends(tiny_model_dir)
     layers = worker.engine.model_config.num_layers
     prompt = tuple(range(3, 23))
     runner, hold = worker.engine.runner, threading.Event()
