@@ -120,22 +120,21 @@ class TorchPagedAttention:
         out = q.new_empty(q.shape)  # contiguous even where q is a strided view of qkv
         bf16_prompts = self.amx_prompts and k_cache.dtype == torch.bfloat16
         for g in meta.groups:
-            if bf16_prompts and g.token_index.shape[1] >= AMX_MIN_QUERY:
-                o = self._group(q, k_cache, v_cache, g, torch.bfloat16)  # [B, Q, H, D]
-                o = o.reshape(-1, o.shape[2], o.shape[3])
-                out[g.token_rows] = o if g.valid_flat is None else o[g.valid_flat]
-                continue
-            if native and g.token_index.shape[1] == 1:
+            rows = g.token_index.shape[1]
+            amx = bf16_prompts and rows >= AMX_MIN_QUERY
+            if native and rows == 1:
                 self.kernels.paged_decode(q, out, g.token_rows, k_cache, v_cache,
                                           g.block_table, g.last_pos, self.sliding_window,
                                           self.scale)
                 continue
-            if native and self.kernels.prefill_supported(head_dim):
+            if native and not amx and self.kernels.prefill_supported(head_dim):
                 self.kernels.paged_prefill(q, out, g.first_row, g.first_pos, g.query_len,
                                            k_cache, v_cache, g.block_table,
                                            self.sliding_window, self.scale)
                 continue
-            o = self._group(q, k_cache, v_cache, g)  # [B, Q, H, D]
+            # SDPA over the gathered blocks: in bf16 on the AMX tiles, else in q's dtype
+            o = self._group(q, k_cache, v_cache, g,
+                            torch.bfloat16 if amx else None)  # [B, Q, H, D]
             o = o.reshape(-1, o.shape[2], o.shape[3])
             out[g.token_rows] = o if g.valid_flat is None else o[g.valid_flat]
         return out
