@@ -25,6 +25,7 @@ from services.engine.kv_cache.block_pool import BlockPool
 from services.engine.kv_cache.kv_manager import KVCacheManager, blocks_needed
 from services.engine.kv_cache.paged_cache import PagedKVCache
 from services.engine.kv_cache.sizing import num_kv_blocks, working_memory_bytes
+from services.engine.model import cpu_kernels
 from services.engine.model.config import ModelConfig
 from services.engine.model.loader import load_model, resolve_dtype
 from services.engine.model_runner import ModelRunner, SampledToken
@@ -84,7 +85,8 @@ class LLMEngine:
                                      mc.head_dim, self.dtype, self.device)
         self.block_pool = BlockPool(num_blocks, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, KVCacheManager(self.block_pool, cc.block_size))
-        self.runner = ModelRunner(model, self.kv_cache, Sampler(config.seed), self.eos_token_ids,
+        sampler = Sampler(config.seed, cpu_kernels.load_for(self.device, config.cpu_kernels))
+        self.runner = ModelRunner(model, self.kv_cache, sampler, self.eos_token_ids,
                                   attention=config.attention_backend,
                                   # a prefill-role engine never runs a pure decode step
                                   cuda_graphs=config.cuda_graphs and sc.role != EngineRole.PREFILL,

@@ -196,7 +196,7 @@ class ModelRunner:
         simple = all(s.params.greedy and s.params.logprobs is None and not s.params.uses_penalties
                      for s in seqs) and not any(banned)
         if simple:
-            return [SampledToken(t, None) for t in logits.argmax(dim=-1).tolist()]
+            return [SampledToken(t, None) for t in self.sampler.argmax(logits).tolist()]
         batch = SamplingBatch(
             params=[s.params for s in seqs], prompt_token_ids=[s.prompt_token_ids for s in seqs],
             output_token_ids=outputs, banned_token_ids=banned)

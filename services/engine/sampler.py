@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from services.common.sampling_params import SamplingParams
+from services.engine.model.cpu_kernels import CpuKernels
 
 # Cumulative mass within this of top_p counts as reaching it (float32 noise).
 _TOP_P_EPS = 1e-6
@@ -176,10 +177,21 @@ def apply_sampling_masks(logits: torch.Tensor, top_k: torch.Tensor | None = None
 class Sampler:
     """Samples one token per row of a step's logits; see the module docstring."""
 
-    def __init__(self, seed: int | None = None) -> None:
-        """``seed`` fixes the shared generator used by rows without their own."""
+    def __init__(self, seed: int | None = None, kernels: CpuKernels | None = None) -> None:
+        """``seed`` fixes the shared generator used by rows without their own;
+        ``kernels``: the native CPU kernels, for argmaxes over CPU logits."""
         self._seed = seed
         self._shared: dict[torch.device, torch.Generator] = {}
+        self.kernels = kernels
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [B, V]`` -> ``[B]`` long: each row's first maximum (first NaN), as
+        ``x.argmax(dim=-1)``; natively over contiguous fp32 CPU rows (torch's CPU argmax
+        runs on one thread, element by element: a few ms a step over a large vocabulary)."""
+        if self.kernels is not None and x.device.type == "cpu" and x.dtype == torch.float32 \
+                and x.dim() == 2 and x.shape[1] > 0 and x.is_contiguous():
+            return self.kernels.argmax(x)
+        return x.argmax(dim=-1)
 
     def shared_generator(self, device: torch.device) -> torch.Generator:
         """The shared generator for ``device`` (created on first use)."""
@@ -210,9 +222,9 @@ class Sampler:
         params = batch.params
         rand = [i for i, p in enumerate(params) if not p.greedy]
         if not rand:
-            tokens = x.argmax(dim=-1)  # [B]
+            tokens = self.argmax(x)  # [B]
         else:
-            tokens = x.argmax(dim=-1) if len(rand) < bsz else torch.empty(bsz, dtype=torch.long, device=dev)
+            tokens = self.argmax(x) if len(rand) < bsz else torch.empty(bsz, dtype=torch.long, device=dev)
             tokens[self._index(rand, bsz, dev)] = self._sample_random(x, batch, rand)
         token_ids: list[int] = tokens.tolist()
         return SamplerOutput(token_ids, self._logprobs(raw, tokens, params))
@@ -242,7 +254,7 @@ class Sampler:
         keys = [(p.seed, len(batch.output_token_ids[i])) if p.seed is not None else None
                 for i, p in zip(rows, ps)]
         noise = self._noise(keys, vocab, dev)  # [R, V]
-        return (probs / noise).argmax(dim=-1)  # [R]
+        return self.argmax(probs / noise)  # [R]
 
     def _noise(self, keys: list[tuple[int, int] | None], vocab: int, dev: torch.device) -> torch.Tensor:
         """Exp(1) noise [R, V]: keyed by (seed, output index) per seeded row, the shared

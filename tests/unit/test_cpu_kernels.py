@@ -151,6 +151,29 @@ def test_a_bf16_mlp_keeps_its_interior_bf16_with_the_same_result():
         assert calls == ([1] if gate_up.runs_on_onednn(rows) else [])
 
 
+def test_argmax_picks_what_torch_picks_first_maxima_nans_and_infinities():
+    x = torch.randn(9, 1000)
+    x[1, 3] = x[1, 700] = 50.0  # a tie: the first one
+    x[2, 999] = 60.0  # the last element, in the tail past whole vectors
+    x[3] = float("-inf")  # nothing but -inf: index 0
+    x[4, 500] = float("nan")  # a NaN wins over a larger value before it
+    x[4, 10] = 70.0
+    x[5, 20] = x[5, 30] = float("nan")  # the first NaN
+    x[6, 17] = float("inf")
+    x[7] = 0.0  # all equal
+    assert torch.equal(kernels.argmax(x), x.argmax(dim=-1))
+    for cols in (1, 15, 16, 17, 49_152):
+        y = torch.randn(5, cols)
+        assert torch.equal(kernels.argmax(y), y.argmax(dim=-1))
+    assert kernels.argmax(torch.empty(0, 8)).shape == (0,)
+
+
+def test_argmax_refuses_what_it_cannot_read():
+    for bad in (torch.randn(4, 8).half(), torch.randn(8, 4).t(), torch.randn(8), torch.empty(3, 0)):
+        with pytest.raises(ValueError):
+            kernels.argmax(bad)
+
+
 def test_a_failed_build_falls_back_to_none(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))

@@ -317,3 +317,20 @@ def test_mismatched_batch_raises():
         Sampler()(torch.zeros(2, 4), SamplingBatch([P(), P()], [[]], [[], []], [[], []]))
     with pytest.raises(ValueError, match="batch, vocab"):
         Sampler()(torch.zeros(4), batch([P()]))
+
+
+def test_the_native_argmax_changes_no_token():
+    from services.engine.model import cpu_kernels
+
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        pytest.skip("no C compiler on this machine")
+    logits = torch.randn(8, 3000)
+    logits[0, 5] = logits[0, 9] = 40.0  # a greedy tie
+    params = [P(temperature=0.0), P(temperature=0.0), P(temperature=0.8, seed=3),
+              P(temperature=1.0, top_k=50, seed=4), P(temperature=0.0, repetition_penalty=1.3),
+              P(temperature=0.7), P(temperature=0.0, logprobs=2), P(temperature=1.2, top_p=0.9)]
+    plain = Sampler(seed=5)(logits, batch(params, outputs=[[1, 2]] * 8))
+    native = Sampler(seed=5, kernels=kernels)(logits, batch(params, outputs=[[1, 2]] * 8))
+    assert native.token_ids == plain.token_ids and native.token_ids[0] == 5
+    assert native.logprobs == plain.logprobs

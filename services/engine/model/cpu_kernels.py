@@ -30,7 +30,8 @@ from services.common.cache_dir import cache_dir
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("paged_decode.c", "paged_prefill.c", "fused_ops.c", "int8_linear.c", "gemv.c")
+_SOURCES = ("paged_decode.c", "paged_prefill.c", "fused_ops.c", "int8_linear.c", "gemv.c",
+            "argmax.c")
 _HEADERS = ("vexp.h", "vexp512.h", "team.h", "kv_load.h", "paged_decode_impl.h",
             "paged_prefill_impl.h")
 _KV_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -82,6 +83,9 @@ class CpuKernels:
             fn = self._silu_mul[dtype] = getattr(lib, f"tandem_silu_mul_{name}")
             fn.restype = None
             fn.argtypes = [_ptr, _ptr, _i64, _i64]
+        self._argmax = lib.tandem_argmax_f32
+        self._argmax.restype = None
+        self._argmax.argtypes = [_ptr, _i64, _i64, _ptr]
 
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> torch.Tensor:
@@ -206,6 +210,16 @@ class CpuKernels:
                    out.data_ptr(), x.shape[0], weight.shape[0], weight.shape[1])
         return out
 
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [R, V]`` fp32 -> ``[R]`` int64: each row's first maximal value, or its first
+        NaN (what ``x.argmax(dim=-1)`` returns)."""
+        _check_f32(x)
+        if x.dim() != 2 or x.shape[1] == 0:
+            raise ValueError(f"argmax needs fp32 rows [R, V] with V >= 1, not {tuple(x.shape)}")
+        out = torch.empty(x.shape[0], dtype=torch.long)
+        self._argmax(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+        return out
+
     def int8_linear(self, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                     bias: torch.Tensor | None) -> torch.Tensor:
         """``x [M, K] @ (qweight [N, K] int8 * scale [N, 1]).T + bias [N]`` as fp32 ``[M, N]``."""
@@ -300,3 +314,8 @@ def load() -> CpuKernels | None:
         detail = getattr(e, "stderr", "") or e
         log.warning("CPU kernels unavailable, using the torch path: %s", detail)
         return None
+
+
+def load_for(device: torch.device | str, enabled: bool = True) -> CpuKernels | None:
+    """The kernels for an engine on ``device`` with CPU kernels ``enabled``, else None."""
+    return load() if enabled and torch.device(device).type == "cpu" else None

@@ -40,6 +40,7 @@ import torch
 from services.common.sampling_params import SamplingParams
 from services.engine.kv_cache.kv_manager import KVCacheManager
 from services.engine.kv_cache.paged_cache import PagedKVCache
+from services.engine.model import cpu_kernels
 from services.engine.model.config import ModelConfig
 from services.engine.model.loader import load_model
 from services.engine.model_runner import ModelRunner
@@ -106,7 +107,7 @@ class DraftModelProposer:
                            use_cpu_kernels=use_cpu_kernels, weight_layout=weight_layout)
         cache = PagedKVCache(mc.num_layers, num_blocks, kv.block_size, mc.num_kv_heads,
                              mc.head_dim, dtype, device)
-        self.runner = ModelRunner(model, cache, Sampler(0), ())
+        self.runner = ModelRunner(model, cache, Sampler(0, cpu_kernels.load_for(device, use_cpu_kernels)), ())
         self.draft_cost = decode_weights(mc) / decode_weights(target)
         self.kv = kv
         self.prefill_chunk = prefill_chunk
