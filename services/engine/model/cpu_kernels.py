@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("paged_decode.c", "paged_prefill.c", "fused_ops.c", "int8_linear.c", "gemv.c",
-            "argmax.c")
+            "argmax.c", "decode_stack.c")
 _HEADERS = ("vexp.h", "vexp512.h", "team.h", "kv_load.h", "paged_decode_impl.h",
             "paged_prefill_impl.h")
 _KV_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -45,6 +45,7 @@ class CpuKernels:
     """The loaded library; each method checks its tensors before handing pointers over."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib  # for entries bound where they are used (decode_stack.py)
         self._decode = {}
         for dtype, suffix in _KV_DTYPES.items():
             fn = getattr(lib, f"tandem_paged_decode_{suffix}")
@@ -147,7 +148,7 @@ class CpuKernels:
                           k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(), block_table.shape[1],
                           positions.data_ptr(), rows.shape[0], heads, kv_heads, head_dim,
                           block_size, window or 0, scale,
-                          _head_splits(rows.shape[0], kv_heads))
+                          head_splits(rows.shape[0], kv_heads))
         if rc != 0:
             raise MemoryError("paged_decode could not allocate its scratch buffers")
 
@@ -264,9 +265,14 @@ def _check_dense_heads(*tensors: torch.Tensor) -> None:
             raise ValueError("CPU kernels need fp32 CPU [T, heads, D] tensors with dense heads")
 
 
-def _head_splits(num_rows: int, kv_heads: int) -> int:
-    """Whole rows per task keep K/V reads contiguous; split heads only when rows are few."""
-    threads = torch.get_num_threads()
+def head_splits(num_rows: int, kv_heads: int) -> int:
+    """Pieces each row's kv heads are split into for decode attention: whole rows per task
+    keep K/V reads contiguous; heads are split only when rows are few."""
+    return _head_splits(num_rows, kv_heads, torch.get_num_threads())
+
+
+@cache
+def _head_splits(num_rows: int, kv_heads: int, threads: int) -> int:
     if num_rows >= 4 * threads:
         return 1
     return next(s for s in range(min(kv_heads, 4 * threads), 0, -1) if kv_heads % s == 0)

@@ -16,6 +16,7 @@ from torch import nn
 from services.engine.model import cpu_kernels, onednn, quantized
 from services.engine.model.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from services.engine.model.config import ModelConfig
+from services.engine.model.decode_stack import DecodeStack
 from services.engine.model.layer_ops import NativeLayerOps, TorchLayerOps
 from services.engine.model.rope import RotaryEmbedding
 
@@ -82,6 +83,7 @@ class LlamaModel(nn.Module):
         self.attn: AttentionBackend = TorchPagedAttention(cfg.head_dim ** -0.5, cfg.sliding_window)
         self.rope: RotaryEmbedding | None = None  # built on the real device by the loader
         self.ops: TorchLayerOps = TorchLayerOps()
+        self.decode_stack: DecodeStack | None = None  # with the CPU kernels, where it fits
 
     @property
     def act_dtype(self) -> torch.dtype:
@@ -139,6 +141,7 @@ class LlamaModel(nn.Module):
         if isinstance(self.attn, TorchPagedAttention):
             self.attn.kernels = kernels
         self.ops = NativeLayerOps(kernels)
+        self.decode_stack = DecodeStack.build(self, kernels)
         return True
 
     def init_rope(self, max_positions: int) -> None:
@@ -157,6 +160,9 @@ class LlamaModel(nn.Module):
         Returns final-normed hidden states ``[T, hidden]``.
         """
         x, delta = self.embed_tokens(input_ids).to(self.act_dtype), None
+        if self.decode_stack is not None and on_layer_done is None \
+                and self.decode_stack.accepts(x.shape[0], meta):
+            return self.decode_stack(x, positions, kv_cache, meta)  # bit-identical, one call
         for i, layer in enumerate(self.layers):
             x, delta = layer(x, delta, positions, self.ops, self.rope, self.attn,
                              kv_cache[i, 0], kv_cache[i, 1], meta)

@@ -53,14 +53,6 @@ void tandem_rope_f32(float *q, int64_t q_stride, int64_t nq, float *k, int64_t k
     }
 }
 
-/* fp32 -> bf16, rounded to nearest even as torch rounds it (a NaN stays a NaN). */
-static inline uint16_t tandem_round_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
 static inline float tandem_store_f32(float f) { return f; }
 
 /* out[t, i] = silu(gu[t, i]) * gu[t, inter + i]; gu: [T, 2*inter], out: [T, inter], both

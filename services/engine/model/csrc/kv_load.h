@@ -1,5 +1,5 @@
 /* KV cache element types: fp32 as is, bf16 widened to fp32 (its top 16 bits); one
- * element, or (with AVX-512) 16 consecutive elements as a vector. */
+ * element, or (with AVX-512) 16 consecutive elements as a vector; and fp32 rounded to bf16. */
 #ifndef TANDEM_KV_LOAD_H
 #define TANDEM_KV_LOAD_H
 #include <stdint.h>
@@ -15,6 +15,14 @@ static inline float tandem_load_bf16(const uint16_t *p) {
     float f;
     memcpy(&f, &bits, sizeof f);
     return f;
+}
+
+/* fp32 -> bf16, rounded to nearest even as torch rounds it (a NaN stays a NaN). */
+static inline uint16_t tandem_round_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
 #if defined(__AVX512F__)

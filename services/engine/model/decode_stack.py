@@ -1,0 +1,128 @@
+"""Every decoder layer of a small decode step in one native call (``csrc/decode_stack.c``).
+
+At batch 1-4 a CPU decode step is a chain of GEMVs bound by reading the weights; a
+Python forward adds ~0.4 ms of dispatch a layer around them (a third of SmolLM2-135M's
+batch-1 step on two threads). ``DecodeStack`` hands the whole chain to C, which calls
+the same kernels in the same order with the same roundings: the hidden states and the
+KV written are bit-identical to the Python path's.
+
+It runs where every projection is a ``CpuLinear`` on the native GEMV (plain weights,
+``--cpu-weight-layout plain``: oneDNN's blocked layout is opaque to C), the layers have
+no q/k norms, and a step is one decode group of at most ``max_rows`` rows (4 with fp32
+weights, 2 with bf16: the GEMV's range) with no per-layer callback. Other steps keep the
+Python forward.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING
+
+import torch
+
+from services.engine.model.attention import AttentionMetadata, TorchPagedAttention
+from services.engine.model.cpu_kernels import CpuKernels, head_splits
+from services.engine.model.onednn import CpuLinear
+
+if TYPE_CHECKING:
+    from services.engine.model.llama import LlamaModel
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, _ptr) for name in (
+        "input_norm", "post_norm", "qkv", "o", "gate_up", "down",
+        "qkv_bias", "o_bias", "gate_up_bias", "down_bias")]
+
+
+class _Stack(ctypes.Structure):
+    _fields_ = [*((name, _i64) for name in (
+        "num_layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "block_size",
+        "window")),
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+        ("weight_bf16", ctypes.c_int32), ("kv_bf16", ctypes.c_int32),
+        ("cos", _ptr), ("sin", _ptr), ("final_norm", _ptr), ("layers", ctypes.POINTER(_Layer))]
+
+
+def _ptr_of(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class DecodeStack:
+    def __init__(self, model: LlamaModel, kernels: CpuKernels) -> None:
+        """Use ``build``, which checks that ``model`` fits."""
+        cfg, layers = model.config, model.layers
+        self.weight_dtype = layers[0].qkv_proj.weight.dtype
+        self.max_rows = layers[0].qkv_proj.gemv_rows
+        self.kv_heads = cfg.num_kv_heads
+        self._layers = (_Layer * len(layers))(*(_Layer(
+            _ptr_of(lay.input_layernorm.weight), _ptr_of(lay.post_attention_layernorm.weight),
+            _ptr_of(lay.qkv_proj.weight), _ptr_of(lay.o_proj.weight),
+            _ptr_of(lay.gate_up_proj.weight), _ptr_of(lay.down_proj.weight),
+            _ptr_of(lay.qkv_proj.bias), _ptr_of(lay.o_proj.bias),
+            _ptr_of(lay.gate_up_proj.bias), _ptr_of(lay.down_proj.bias)) for lay in layers))
+        attn = model.attn
+        self._stack = _Stack(
+            len(layers), cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+            cfg.intermediate_size, 0, attn.sliding_window or 0, model.norm.eps, attn.scale,
+            int(self.weight_dtype == torch.bfloat16), 0, model.rope.cos.data_ptr(),
+            model.rope.sin.data_ptr(), model.norm.weight.data_ptr(), self._layers)
+        self._model = model  # keeps every tensor above alive
+        fn = self._fn = kernels.lib.tandem_decode_stack
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.POINTER(_Stack), _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr,
+                       _i64, _ptr, _i64, _i64]
+
+    @classmethod
+    def build(cls, model: LlamaModel, kernels: CpuKernels) -> DecodeStack | None:
+        """The stack for ``model``, or None where it does not fit (see the module docstring)."""
+        if not isinstance(model.attn, TorchPagedAttention) or model.attn.kernels is None \
+                or model.rope is None or model.rope.cos.dtype != torch.float32:
+            return None
+        linears = [getattr(lay, name) for lay in model.layers
+                   for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
+        if not linears or not all(isinstance(lin, CpuLinear) and lin.gemv_rows > 0 for lin in linears):
+            return None
+        dtypes = {lin.weight.dtype for lin in linears}
+        if len(dtypes) != 1 or any(lay.q_norm is not None for lay in model.layers):
+            return None
+        norms = [model.norm.eps, *(n.eps for lay in model.layers
+                                   for n in (lay.input_layernorm, lay.post_attention_layernorm))]
+        if len(set(norms)) != 1:
+            return None
+        return cls(model, kernels)
+
+    def accepts(self, num_tokens: int, meta: AttentionMetadata) -> bool:
+        """Whether a step of ``num_tokens`` rows with ``meta`` runs here: one group of
+        decode rows, one per token."""
+        if not 1 <= num_tokens <= self.max_rows or len(meta.groups) != 1:
+            return False
+        g = meta.groups[0]
+        return g.token_index.shape[1] == 1 and g.valid_flat is None \
+            and g.token_rows.shape[0] == num_tokens
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        """``x [M, hidden]`` fp32 embeddings (the residual stream, updated in place),
+        ``positions [M]``, ``kv_cache [L, 2, blocks, block_size, KVH, D]``; returns the
+        final-normed hidden states ``[M, hidden]``. Needs ``accepts``."""
+        g = meta.groups[0]
+        index = (positions, meta.slot_mapping, g.token_rows, g.last_pos, g.block_table)
+        if any(t.dtype != torch.long or not t.is_contiguous() for t in index) \
+                or x.dtype != torch.float32 or not x.is_contiguous() \
+                or kv_cache.dtype not in (torch.float32, torch.bfloat16) \
+                or not kv_cache.is_contiguous() or kv_cache.shape[4] != self.kv_heads:
+            raise ValueError("the decode stack needs contiguous fp32 activations, int64 "
+                             "indices and an fp32 or bf16 cache [L, 2, blocks, bs, KVH, D]")
+        rows = x.shape[0]
+        self._stack.block_size = kv_cache.shape[3]
+        self._stack.kv_bf16 = int(kv_cache.dtype == torch.bfloat16)
+        out = torch.empty_like(x)
+        rc = self._fn(ctypes.byref(self._stack), x.data_ptr(), out.data_ptr(), rows,
+                      positions.data_ptr(), meta.slot_mapping.data_ptr(), g.token_rows.data_ptr(),
+                      g.last_pos.data_ptr(), g.block_table.data_ptr(), g.block_table.shape[1],
+                      kv_cache.data_ptr(), kv_cache.shape[2], head_splits(rows, self.kv_heads))
+        if rc != 0:
+            raise MemoryError("the decode stack could not allocate its scratch buffers")
+        return out

@@ -1,0 +1,70 @@
+"""The native decode stack against the Python forward it replaces: the same tokens,
+logprobs and KV bits, per model family and weight dtype (CPU, plain weight layout)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine import LLM, SamplingParams
+from services.engine.model import cpu_kernels
+from services.engine.model.decode_stack import DecodeStack
+from tests.hf_models import write_hf_checkpoint
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler on this machine")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("stack")
+    return {arch: write_hf_checkpoint(arch, root / arch, tiny_model_dir)
+            for arch in ("llama3", "mistral", "qwen2", "qwen3")}
+
+
+def _engine(path, dtype: str, layout: str = "plain") -> LLM:
+    return LLM(str(path), num_threads=2, seed=0, max_model_len=256, enable_prefix_caching=False,
+               dtype=dtype, cpu_weight_layout=layout)
+
+
+def _run(llm: LLM, n: int):
+    # 45-60 token prompts: past mistral's 40-token sliding window
+    prompts = [[(7 * i + 3 * j) % 1000 + 2 for j in range(45 + 5 * i)] for i in range(n)]
+    params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=3),
+              SamplingParams(temperature=0.9, seed=11, max_tokens=20, ignore_eos=True, logprobs=1)]
+    outs = llm.generate(prompts, [params[i % 2] for i in range(n)])
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], \
+        llm.engine.kv_cache.kv.clone()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama3", "mistral", "qwen2"])
+def test_the_stack_writes_what_the_python_forward_writes(checkpoints, arch, dtype, monkeypatch):
+    native_llm, python_llm = _engine(checkpoints[arch], dtype), _engine(checkpoints[arch], dtype)
+    stack = native_llm.engine.runner.model.decode_stack
+    assert stack is not None and stack.max_rows == (4 if dtype == "float32" else 2)
+    python_llm.engine.runner.model.decode_stack = None
+    steps = []
+    call = DecodeStack.__call__
+    monkeypatch.setattr(DecodeStack, "__call__", lambda self, *a: steps.append(a[0].shape[0]) or call(self, *a))
+    native, native_kv = _run(native_llm, stack.max_rows)
+    assert steps and max(steps) == stack.max_rows  # the batch's decode steps ran native
+    python, python_kv = _run(python_llm, stack.max_rows)
+    assert native == python
+    assert torch.equal(native_kv, python_kv)  # two fresh engines: the same blocks written
+
+
+def test_steps_wider_than_the_gemv_keep_the_python_forward(checkpoints, monkeypatch):
+    llm = _engine(checkpoints["llama3"], "float32")
+    steps = []
+    call = DecodeStack.__call__
+    monkeypatch.setattr(DecodeStack, "__call__", lambda self, *a: steps.append(a[0].shape[0]) or call(self, *a))
+    wide, _ = _run(llm, 6)  # six rows: past the GEMV's four
+    assert not steps
+
+
+def test_no_stack_where_it_cannot_run(checkpoints):
+    assert _engine(checkpoints["qwen3"], "float32").engine.runner.model.decode_stack is None  # q/k norms
+    assert _engine(checkpoints["llama3"], "float32", "blocked").engine.runner.model.decode_stack is None
+    no_kernels = LLM(str(checkpoints["llama3"]), num_threads=2, max_model_len=256,
+                     cpu_weight_layout="plain", cpu_kernels=False)
+    assert no_kernels.engine.runner.model.decode_stack is None
