@@ -8,6 +8,7 @@ import torch
 
 from services.engine import LLM, SamplingParams
 from services.engine.model import cpu_kernels
+from services.engine.model.cpu_kernels import GEMV_MAX_ROWS
 from services.engine.model.decode_stack import DecodeStack
 from tests.hf_models import write_hf_checkpoint
 
@@ -28,7 +29,7 @@ def _engine(path, dtype: str, layout: str = "plain") -> LLM:
 
 def _run(llm: LLM, n: int):
     # 45-60 token prompts: past mistral's 40-token sliding window
-    prompts = [[(7 * i + 3 * j) % 1000 + 2 for j in range(45 + 5 * i)] for i in range(n)]
+    prompts = [[(7 * i + 3 * j) % 1000 + 2 for j in range(45 + 3 * i)] for i in range(n)]
     params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=3),
               SamplingParams(temperature=0.9, seed=11, max_tokens=20, ignore_eos=True, logprobs=1)]
     outs = llm.generate(prompts, [params[i % 2] for i in range(n)])
@@ -41,7 +42,7 @@ def _run(llm: LLM, n: int):
 def test_the_stack_writes_what_the_python_forward_writes(checkpoints, arch, dtype, monkeypatch):
     native_llm, python_llm = _engine(checkpoints[arch], dtype), _engine(checkpoints[arch], dtype)
     stack = native_llm.engine.runner.model.decode_stack
-    assert stack is not None and stack.max_rows == (4 if dtype == "float32" else 2)
+    assert stack is not None and stack.max_rows == (GEMV_MAX_ROWS if dtype == "float32" else 2)
     python_llm.engine.runner.model.decode_stack = None
     steps = []
     call = DecodeStack.__call__
@@ -58,7 +59,7 @@ def test_steps_wider_than_the_gemv_keep_the_python_forward(checkpoints, monkeypa
     steps = []
     call = DecodeStack.__call__
     monkeypatch.setattr(DecodeStack, "__call__", lambda self, *a: steps.append(a[0].shape[0]) or call(self, *a))
-    wide, _ = _run(llm, 6)  # six rows: past the GEMV's four
+    _run(llm, GEMV_MAX_ROWS + 1)  # past the GEMV's rows
     assert not steps
 
 

@@ -15,6 +15,7 @@ from torch import nn
 from services.common.sampling_params import SamplingParams
 from services.engine.llm import LLM
 from services.engine.model import cpu_features, cpu_kernels, loader
+from services.engine.model.cpu_kernels import GEMV_MAX_ROWS
 from services.engine.model.onednn import CpuLinear
 from services.engine.model.quantized import Int8Linear
 
@@ -135,12 +136,12 @@ def test_fp32_weights_are_blocked_and_plain_ones_use_the_gemv_unless_native_kern
         assert layers and all(m.blocked and m.weight.is_mkldnn and m.gemv_rows == 0 for m in layers)
     # a tied head stays the plain table (the GEMV's); the checkpoint's own head is blocked
     assert on.lm_head.blocked != on.config.tie_word_embeddings
-    assert on.lm_head.gemv_rows == (0 if on.lm_head.blocked else 4) and off.lm_head.gemv_rows == 0
+    assert on.lm_head.gemv_rows == (0 if on.lm_head.blocked else GEMV_MAX_ROWS) and off.lm_head.gemv_rows == 0
     x = torch.randn(3, on.config.hidden_size)  # the same product either way, to float rounding
     torch.testing.assert_close(on.lm_head(x), off.lm_head(x), atol=1e-4, rtol=1e-4)
     plain = _llm(checkpoint, dtype="float32", cpu_weight_layout="plain").engine.runner.model
     linears = [m for m in plain.modules() if isinstance(m, CpuLinear)]
-    assert linears and all(not m.blocked and not m.weight.is_mkldnn and m.gemv_rows == 4 for m in linears)
+    assert linears and all(not m.blocked and not m.weight.is_mkldnn and m.gemv_rows == GEMV_MAX_ROWS for m in linears)
     torch.testing.assert_close(plain.lm_head(x), on.lm_head(x), atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="cpu_weight_layout must be one of blocked, plain"):
         _llm(checkpoint, cpu_weight_layout="packed")
@@ -168,6 +169,7 @@ def test_a_row_computes_alike_alone_and_in_a_batch(dtype, tol):
     gen = torch.Generator().manual_seed(0)
     layer = CpuLinear(torch.randn(300, 64, generator=gen), torch.randn(300, generator=gen), dtype,
                       blocked=False)  # plain: the layout on which rows can take the GEMV
-    x = torch.randn(8, 64, generator=gen)
-    alone = torch.cat([layer(x[i:i + 1]) for i in range(8)])
+    rows = GEMV_MAX_ROWS + 4  # past the GEMV: oneDNN
+    x = torch.randn(rows, 64, generator=gen)
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(rows)])
     torch.testing.assert_close(alone, layer(x), rtol=tol, atol=tol)

@@ -38,7 +38,7 @@ _KV_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-fPIC",
           "-shared", "-std=c11"]
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-GEMV_MAX_ROWS = 4  # TANDEM_GEMV_MAX_ROWS in csrc/gemv.c
+GEMV_MAX_ROWS = 16  # TANDEM_GEMV_MAX_ROWS in csrc/gemv.c
 
 
 class CpuKernels:

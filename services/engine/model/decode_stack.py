@@ -1,6 +1,6 @@
 """Every decoder layer of a small decode step in one native call (``csrc/decode_stack.c``).
 
-At batch 1-4 a CPU decode step is a chain of GEMVs bound by reading the weights; a
+At batch 1-16 a CPU decode step is a chain of GEMVs bound by reading the weights; a
 Python forward adds ~0.4 ms of dispatch a layer around them (a third of SmolLM2-135M's
 batch-1 step on two threads). ``DecodeStack`` hands the whole chain to C, which calls
 the same kernels in the same order with the same roundings: the hidden states and the
@@ -8,7 +8,7 @@ KV written are bit-identical to the Python path's.
 
 It runs where every projection is a ``CpuLinear`` on the native GEMV (plain weights,
 ``--cpu-weight-layout plain``: oneDNN's blocked layout is opaque to C), the layers have
-no q/k norms, and a step is one decode group of at most ``max_rows`` rows (4 with fp32
+no q/k norms, and a step is one decode group of at most ``max_rows`` rows (16 with fp32
 weights, 2 with bf16: the GEMV's range) with no per-layer callback. Other steps keep the
 Python forward.
 """

@@ -6,12 +6,15 @@ It runs them on a weight reordered once into its blocked layout
 (``_reorder_linear_weight``): over a whole model's layers, whose weights no cache
 holds, a decode step of 4-64 rows ran its products 1.2-1.45x faster than on the
 plain layout in fp32 (1.5-2x in bf16), prompt chunks 1.04-1.14x. The native GEMV
-(``cpu_kernels.gemv``, ``csrc/gemv.c``) needs the plain layout; in fp32 it runs one
-or two rows faster than oneDNN on the blocked one (SmolLM2-135M's batch-1 step: 29.7
-vs 36.9 ms), in bf16 as fast. Each weight is stored once: layers take the blocked
-layout and oneDNN for every input (``blocked=False``, ``--cpu-weight-layout plain``:
-the plain layout, and the GEMV for decode-sized inputs). A tied LM head is the
-embedding table, so it stays plain and keeps the GEMV.
+(``cpu_kernels.gemv``, ``csrc/gemv.c``) needs the plain layout. Over SmolLM2-135M's
+layers on 2 threads of an Intel Xeon with AMX (fp32): 1 row 18.8 ms against 24.6 on
+the blocked layout and 30.4 on the plain one, 4 rows 23.0 / 28.3 / 40.0, 8 rows
+33.5 / 33.7 / 45.5, 16 rows 53.8 / 40.7 / 52.4 (where its whole-stack call,
+``decode_stack.py``, saves more than the gap): so fp32 takes it up to 16 rows. In bf16
+oneDNN runs on AMX tiles and the GEMV wins only at 1-2 rows. Each weight is stored
+once: layers take the blocked layout and oneDNN for every input (``blocked=False``,
+``--cpu-weight-layout plain``: the plain layout, and the GEMV for decode-sized
+inputs). A tied LM head is the embedding table, so it stays plain and keeps the GEMV.
 
 Activations stay fp32; with bf16 weights the input is rounded to bf16 for the
 product (oneDNN's, or the GEMV's, which widens both to fp32) and the output to bf16,
@@ -27,7 +30,7 @@ from torch import nn
 from services.engine.model import cpu_kernels
 
 # Input rows up to which the GEMV beats oneDNN, per weight dtype (bf16 widens each
-# weight element, so it turns compute-bound sooner).
+# weight element, so it turns compute-bound sooner, and oneDNN has AMX for it).
 GEMV_MAX_ROWS = {torch.float32: cpu_kernels.GEMV_MAX_ROWS, torch.bfloat16: 2}
 
 

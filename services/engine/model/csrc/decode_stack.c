@@ -1,6 +1,6 @@
 /* A decode step of a few rows through every decoder layer in one call.
  *
- * At batch 1-4 a step's products are GEMVs bound by reading the weights; between them
+ * At batch 1-16 a step's products are GEMVs bound by reading the weights; between them
  * a Python forward spends ~0.4 ms a layer dispatching small ops (SmolLM2-135M: ~14 ms
  * of a 39 ms step on two threads). This chains the same kernels the Python path calls,
  * in the same order and with the same roundings, so every output bit is the same:
@@ -29,7 +29,7 @@
 
 #include "kv_load.h"
 
-#define TANDEM_STACK_MAX_ROWS 4 /* TANDEM_GEMV_MAX_ROWS */
+#define TANDEM_STACK_MAX_ROWS 16 /* TANDEM_GEMV_MAX_ROWS */
 
 void tandem_add_rms_norm_f32(float *x, const float *delta, float *out, const float *w,
                              int64_t rows, int64_t dim, float eps);

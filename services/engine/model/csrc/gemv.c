@@ -1,11 +1,12 @@
-/* Decode-sized linear on CPU: y = x @ W.T + bias for a few input rows, with fp32
+/* Decode-sized linear on CPU: y = x @ W.T + bias for up to 16 input rows, with fp32
  * or bf16 weights and fp32 activations.
  *
- * A step of one or a few sequences is bound by reading the weight: each row of
- * W is streamed once from memory and multiplied with every input row while it
- * sits in registers (4 weight rows at a time, one accumulator per input row and
- * weight row). Output channels are split over OpenMP threads in contiguous
- * chunks, so each thread streams its own part of W front to back.
+ * A step of a few sequences is bound by reading the weight: each block of 4 rows of
+ * W is streamed once from memory and multiplied with every input row while it sits in
+ * registers, then in L1 (input rows in tiles of 4: one accumulator per input row and
+ * weight row). Output channels are split over OpenMP threads in contiguous chunks, so
+ * each thread streams its own part of W front to back. Each output is the same sum in
+ * the same order whatever M is.
  *
  *   x    [M, K] fp32 contiguous, 1 <= M <= TANDEM_GEMV_MAX_ROWS
  *   w    [N, K] fp32 or bf16 contiguous
@@ -18,7 +19,7 @@
 #include "kv_load.h"
 #include "team.h"
 
-#define TANDEM_GEMV_MAX_ROWS 4
+#define TANDEM_GEMV_MAX_ROWS 16
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -37,7 +38,7 @@ static inline __m512 load16_bf16(const uint16_t *p, __mmask16 m) {
     static inline __attribute__((always_inline)) void NAME(                                    \
         const float *x, const W_T *w, const float *bias, float *y, int64_t n, int64_t n_out,   \
         int64_t k_in, const int M, const int R) {                                              \
-        __m512 acc[TANDEM_GEMV_MAX_ROWS][4];                                                   \
+        __m512 acc[4][4];                                                   \
         for (int m = 0; m < M; ++m)                                                            \
             for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();                       \
         for (int64_t k = 0; k < k_in; k += 16) {                                               \
@@ -65,13 +66,28 @@ static inline __m512 load16_bf16(const uint16_t *p, __mmask16 m) {
 GEMV_BLOCK(block_f32, float, load16_f32)
 GEMV_BLOCK(block_bf16, uint16_t, load16_bf16)
 
+/* Input rows in tiles of 4: a block of 4 weight rows (at most 4 x K elements, in L1
+ * after the first tile streamed it in) against each tile in turn, so W is read from
+ * memory once whatever M is. */
+#define GEMV_TILES(BLOCK, x, w, bias, y, n, n_out, k_in, M, R)                                 \
+    do {                                                                                       \
+        int m0 = 0;                                                                            \
+        for (; m0 + 4 <= M; m0 += 4) BLOCK(x + m0 * k_in, w, bias, y + m0 * n_out, n, n_out, k_in, 4, R); \
+        switch (M - m0) {                                                                      \
+            case 1: BLOCK(x + m0 * k_in, w, bias, y + m0 * n_out, n, n_out, k_in, 1, R); break; \
+            case 2: BLOCK(x + m0 * k_in, w, bias, y + m0 * n_out, n, n_out, k_in, 2, R); break; \
+            case 3: BLOCK(x + m0 * k_in, w, bias, y + m0 * n_out, n, n_out, k_in, 3, R); break; \
+            default: break;                                                                    \
+        }                                                                                      \
+    } while (0)
+
 #define GEMV_ROWS(NAME, BLOCK, W_T)                                                            \
     static inline __attribute__((always_inline)) void NAME(                                    \
         const float *x, const W_T *w, const float *bias, float *y, int64_t n0, int64_t n1,     \
         int64_t n_out, int64_t k_in, const int M) {                                            \
         int64_t n = n0;                                                                        \
-        for (; n + 4 <= n1; n += 4) BLOCK(x, w, bias, y, n, n_out, k_in, M, 4);                \
-        for (; n < n1; ++n) BLOCK(x, w, bias, y, n, n_out, k_in, M, 1);                        \
+        for (; n + 4 <= n1; n += 4) GEMV_TILES(BLOCK, x, w, bias, y, n, n_out, k_in, M, 4);    \
+        for (; n < n1; ++n) GEMV_TILES(BLOCK, x, w, bias, y, n, n_out, k_in, M, 1);            \
     }
 
 #else /* portable: the compiler vectorizes the inner products */
@@ -112,7 +128,8 @@ GEMV_ROWS(rows_bf16, block_bf16, uint16_t)
                 case 1: ROWS(x, w, bias, y, n0, n1, n_out, k_in, 1); break;                    \
                 case 2: ROWS(x, w, bias, y, n0, n1, n_out, k_in, 2); break;                    \
                 case 3: ROWS(x, w, bias, y, n0, n1, n_out, k_in, 3); break;                    \
-                default: ROWS(x, w, bias, y, n0, n1, n_out, k_in, 4); break;                   \
+                case 4: ROWS(x, w, bias, y, n0, n1, n_out, k_in, 4); break;                    \
+                default: ROWS(x, w, bias, y, n0, n1, n_out, k_in, (int)m_rows); break;         \
             }                                                                                  \
         }                                                                                      \
         return 0;                                                                              \
