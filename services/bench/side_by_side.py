@@ -52,6 +52,7 @@ class Plan:
     onednn: bool = True
     cpu_kernels: bool = True
     dtype: str = "float32"  # both sides
+    weight_layout: str = "blocked"  # tandem's CPU weight layout
 
 
 @dataclass
@@ -113,7 +114,8 @@ def start_sides(plan: Plan, vllm_python: str, kv_cache_gb: float, log_dir: str) 
             side = Side(name, [python, "-m", module], side_env(plan.threads, name == "vllm", kv_cache_gb),
                         str(Path(log_dir) / f"{name}.log"))
             sides[name] = side
-            extra = {"onednn": plan.onednn, "cpu_kernels": plan.cpu_kernels} if name == "tandem" else {}
+            extra = {"onednn": plan.onednn, "cpu_kernels": plan.cpu_kernels,
+                     "weight_layout": plan.weight_layout} if name == "tandem" else {}
             side.info = side.call("load", LOAD_TIMEOUT_S, model=plan.model, threads=plan.threads,
                                   max_model_len=plan.max_model_len,
                                   max_num_batched_tokens=plan.max_num_batched_tokens,

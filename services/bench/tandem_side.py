@@ -13,7 +13,7 @@ class TandemBackend(TimedBackend):
 
     def __init__(self, model: str, threads: int, max_model_len: int, max_num_batched_tokens: int,
                  seed: int, onednn: bool = True, cpu_kernels: bool = True,
-                 dtype: str = "float32") -> None:
+                 dtype: str = "float32", weight_layout: str = "blocked") -> None:
         import torch
 
         from services.engine import LLM
@@ -21,7 +21,8 @@ class TandemBackend(TimedBackend):
         torch.set_num_threads(threads)
         self.llm = LLM(model, num_threads=threads, seed=seed, max_model_len=max_model_len,
                        max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False,
-                       onednn=onednn, cpu_kernels=cpu_kernels, dtype=dtype)
+                       onednn=onednn, cpu_kernels=cpu_kernels, dtype=dtype,
+                       cpu_weight_layout=weight_layout)
 
     def _generate(self, prompts: list[list[int]], output_len: int) -> list[list[int]]:
         from services.engine import SamplingParams
@@ -32,14 +33,16 @@ class TandemBackend(TimedBackend):
 
 
 def load(**req: Any) -> tuple[TandemBackend, dict[str, Any]]:
-    """Build the backend for a ``load`` request (``onednn`` / ``cpu_kernels`` optional)."""
+    """Build the backend for a ``load`` request (``onednn`` / ``cpu_kernels`` /
+    ``weight_layout`` optional)."""
     import torch
 
     backend = TandemBackend(req["model"], int(req["threads"]), int(req["max_model_len"]),
                             int(req["max_num_batched_tokens"]), int(req["seed"]),
                             onednn=bool(req.get("onednn", True)),
                             cpu_kernels=bool(req.get("cpu_kernels", True)),
-                            dtype=str(req.get("dtype", "float32")))
+                            dtype=str(req.get("dtype", "float32")),
+                            weight_layout=str(req.get("weight_layout", "blocked")))
     return backend, {"engine": "tandem", "torch": torch.__version__}
 
 

@@ -74,7 +74,7 @@ def claim_all(actors: dict[str, object], identities: dict[str, str],
 def worker_identity(cluster, worker_id: str) -> str:
     """A worker's identity in ``cluster``: its engine config, id, and the cluster's shape."""
     c = cluster.config
-    return identity(cluster._engine, worker_id, c.mode, c.prefill_workers, c.decode_workers,
+    return identity(cluster.engine_config(worker_id), worker_id, c.mode, c.prefill_workers, c.decode_workers,
                     c.transfer_timeout_s, c.prefill_nice)
 
 

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 import ray
 
-from services.common.config import ClusterConfig
+from services.common.config import ClusterConfig, EngineConfig
 from services.common.sampling_params import SamplingParams
 from services.cluster import attach, control, drain, placement
 from services.cluster import scale as resize
@@ -136,8 +136,9 @@ class Cluster:
         if resources:
             opts["resources"] = resources
         colocated = cfg.mode == "colocated"  # no prefill pool whose idle cores to take
-        args = (worker_id, self._engine, cfg.prefill_nice) if prefill else (
-            worker_id, self._engine, cfg.transfer_timeout_s, "both" if colocated else "decode",
+        engine = self.engine_config(worker_id)
+        args = (worker_id, engine, cfg.prefill_nice) if prefill else (
+            worker_id, engine, cfg.transfer_timeout_s, "both" if colocated else "decode",
             None, 0 if colocated else cfg.decode_burst_threads)  # sync None: the device's own
         for _ in range(50):  # a detached name is free again once its killed actor is gone
             try:
@@ -147,6 +148,14 @@ class Cluster:
                     raise
                 time.sleep(0.2)
         raise RuntimeError(f"the actor name of {worker_id} stays taken")
+
+    def engine_config(self, worker_id: str) -> EngineConfig:
+        """The engine ``worker_id`` runs: the cluster's, with the decode pool's weight layout
+        on a decode worker where one is set."""
+        layout = self.config.decode_weight_layout
+        if worker_id.startswith("decode-") and layout is not None:
+            return dataclasses.replace(self._engine, cpu_weight_layout=layout)
+        return self._engine
 
     def _locate(self, workers: list, timeout_s: float) -> None:
         """Record (and report) the Ray node each of ``workers`` runs on."""
