@@ -53,6 +53,7 @@ def test_special_values():
     (["--mode", "split"], "invalid choice: 'split'"),
     (["--prefill-resource", "gpu"], "a resource is NAME=AMOUNT"),
     (["--block-size", "big"], "invalid int value"),
+    (["--decode-weight-layout", "dense"], "invalid choice: 'dense'"),
 ])
 def test_bad_values_are_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -112,4 +113,7 @@ def test_configs_validate_choices():
         EngineConfig(dtype="fp8")
     with pytest.raises(ValueError, match="device must be"):
         EngineConfig(device="gpu")
+    with pytest.raises(ValueError, match="decode_weight_layout must be one of blocked, plain"):
+        ClusterConfig(decode_weight_layout="dense")
+    assert build_config(_serve("--decode-weight-layout", "plain")).decode_weight_layout == "plain"
     assert dataclasses.replace(ClusterConfig(), mode="colocated", prefill_workers=0).mode is ClusterMode.COLOCATED
