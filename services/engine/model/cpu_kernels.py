@@ -1,10 +1,8 @@
 """Native CPU kernels (C with OpenMP), compiled on first use and called through ctypes.
 
-The C sources in ``csrc/`` are built with the system C compiler into a shared
-library cached under ``$TANDEM_CACHE_DIR/kernels`` (default
-``~/.cache/tandem/kernels``), keyed by the source, the flags and the CPU, so a
-machine compiles once (well under a second). The library links the OpenMP
-runtime torch has already loaded, so kernels share torch's threads.
+The C sources in ``csrc/`` are built once per machine (``kernel_build.py``). The
+library links the OpenMP runtime torch has already loaded, so kernels share torch's
+threads.
 
 ``load()`` returns None, after one warning, when no compiler is found or the
 build fails; callers then keep the torch path, which computes the same thing.
@@ -13,30 +11,19 @@ build fails; callers then keep the torch path, which computes the same thing.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
 import shutil
 import subprocess
-import tempfile
 from functools import cache
-from pathlib import Path
 
 import torch
 
-from services.common.cache_dir import cache_dir
+from services.engine.model import kernel_build
 
 log = logging.getLogger(__name__)
 
-_CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("paged_decode.c", "paged_prefill.c", "fused_ops.c", "int8_linear.c", "gemv.c",
-            "argmax.c", "decode_stack.c")
-_HEADERS = ("vexp.h", "vexp512.h", "team.h", "kv_load.h", "paged_decode_impl.h",
-            "paged_prefill_impl.h")
 _KV_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
-_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-fPIC",
-          "-shared", "-std=c11"]
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 GEMV_MAX_ROWS = 16  # TANDEM_GEMV_MAX_ROWS in csrc/gemv.c
 
@@ -278,35 +265,6 @@ def _head_splits(num_rows: int, kv_heads: int, threads: int) -> int:
     return next(s for s in range(min(kv_heads, 4 * threads), 0, -1) if kv_heads % s == 0)
 
 
-def _cpu_id() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), platform.processor())
-    except OSError:
-        return platform.processor()
-
-
-def _build(compiler: str) -> Path:
-    digest = hashlib.sha256(" ".join([compiler, *_FLAGS, _cpu_id()]).encode())
-    for name in _SOURCES + _HEADERS:
-        digest.update((_CSRC / name).read_bytes())
-    target = cache_dir() / "kernels" / f"tandem-kernels-{digest.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        sources = [str(_CSRC / name) for name in _SOURCES]
-        subprocess.run([compiler, *_FLAGS, "-o", tmp, *sources, "-lm"], check=True,
-                       capture_output=True, text=True, timeout=120)
-        os.replace(tmp, target)  # atomic: concurrent workers never load a half-written file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
-
-
 @cache
 def load() -> CpuKernels | None:
     """The compiled kernels, or None (with one warning) where they cannot be built."""
@@ -315,7 +273,7 @@ def load() -> CpuKernels | None:
         log.warning("no C compiler found: CPU attention stays on the torch path")
         return None
     try:
-        return CpuKernels(ctypes.CDLL(str(_build(compiler))))
+        return CpuKernels(ctypes.CDLL(str(kernel_build.build(compiler))))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or e
         log.warning("CPU kernels unavailable, using the torch path: %s", detail)
