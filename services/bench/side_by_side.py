@@ -29,6 +29,7 @@ from typing import Any
 
 from services.bench.cpu_load import wait_until_idle
 from services.bench.side_protocol import Side, SideError
+from services.common.config import EngineConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LOAD_TIMEOUT_S = 1200.0
@@ -52,7 +53,7 @@ class Plan:
     onednn: bool = True
     cpu_kernels: bool = True
     dtype: str = "float32"  # both sides
-    weight_layout: str = "blocked"  # tandem's CPU weight layout
+    weight_layout: str = EngineConfig.cpu_weight_layout  # tandem's CPU weight layout
 
 
 @dataclass

@@ -6,6 +6,7 @@ import sys
 from typing import Any
 
 from services.bench.side_protocol import TimedBackend, serve
+from services.common.config import EngineConfig
 
 
 class TandemBackend(TimedBackend):
@@ -13,7 +14,7 @@ class TandemBackend(TimedBackend):
 
     def __init__(self, model: str, threads: int, max_model_len: int, max_num_batched_tokens: int,
                  seed: int, onednn: bool = True, cpu_kernels: bool = True,
-                 dtype: str = "float32", weight_layout: str = "blocked") -> None:
+                 dtype: str = "float32", weight_layout: str = EngineConfig.cpu_weight_layout) -> None:
         import torch
 
         from services.engine import LLM
@@ -42,7 +43,7 @@ def load(**req: Any) -> tuple[TandemBackend, dict[str, Any]]:
                             onednn=bool(req.get("onednn", True)),
                             cpu_kernels=bool(req.get("cpu_kernels", True)),
                             dtype=str(req.get("dtype", "float32")),
-                            weight_layout=str(req.get("weight_layout", "blocked")))
+                            weight_layout=str(req.get("weight_layout", EngineConfig.cpu_weight_layout)))
     return backend, {"engine": "tandem", "torch": torch.__version__}
 
 

@@ -151,9 +151,10 @@ class Cluster:
 
     def engine_config(self, worker_id: str) -> EngineConfig:
         """The engine ``worker_id`` runs: the cluster's, with the decode pool's weight layout
-        on a decode worker where one is set."""
+        on a decode worker of a disaggregated or conditional cluster where one is set
+        (colocated workers prefill every prompt: they keep the cluster's)."""
         layout = self.config.decode_weight_layout
-        if worker_id.startswith("decode-") and layout is not None:
+        if worker_id.startswith("decode-") and layout is not None and self.config.mode != "colocated":
             return dataclasses.replace(self._engine, cpu_weight_layout=layout)
         return self._engine
 

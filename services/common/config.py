@@ -289,8 +289,8 @@ class ClusterConfig:
     # native call per step, while prompts are faster on oneDNN's blocked layout.
     decode_weight_layout: str | None = field(default=None, metadata={
         "choices": CPU_WEIGHT_LAYOUTS,
-        "help": "CPU: the decode pool's weight layout (default: --cpu-weight-layout); plain "
-                "serves decode steps of up to 16 rows (fp32) faster"})
+        "help": "CPU, disaggregated or conditional: the decode pool's weight layout (default: "
+                "--cpu-weight-layout); plain serves decode steps of up to 16 rows (fp32) faster"})
     cpus_per_worker: float = field(default=0.0, metadata={"help": "Ray CPUs each worker asks for"})
     # None: 1 on CUDA (one GPU per worker: NCCL ranks never share one), 0 on CPU.
     gpus_per_worker: float | None = field(default=None, metadata={

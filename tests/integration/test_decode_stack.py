@@ -24,7 +24,7 @@ def checkpoints(tiny_model_dir, tmp_path_factory):
 
 def _engine(path, dtype: str, layout: str = "plain") -> LLM:
     return LLM(str(path), num_threads=2, seed=0, max_model_len=256, enable_prefix_caching=False,
-               dtype=dtype, cpu_weight_layout=layout)
+               dtype=dtype, cpu_weight_layout=layout, num_blocks=256)
 
 
 def _run(llm: LLM, n: int):
@@ -66,6 +66,34 @@ def test_steps_wider_than_the_gemv_keep_the_python_forward(checkpoints, monkeypa
 def test_no_stack_where_it_cannot_run(checkpoints):
     assert _engine(checkpoints["qwen3"], "float32").engine.runner.model.decode_stack is None  # q/k norms
     assert _engine(checkpoints["llama3"], "float32", "blocked").engine.runner.model.decode_stack is None
-    no_kernels = LLM(str(checkpoints["llama3"]), num_threads=2, max_model_len=256,
+    no_kernels = LLM(str(checkpoints["llama3"]), num_threads=2, max_model_len=256, num_blocks=64,
                      cpu_weight_layout="plain", cpu_kernels=False)
     assert no_kernels.engine.runner.model.decode_stack is None
+
+
+def test_the_stack_refuses_what_it_cannot_run(checkpoints):
+    from services.engine.model.attention import AttentionGroup, AttentionMetadata
+
+    llm = _engine(checkpoints["llama3"], "float32")
+    model, kv = llm.engine.runner.model, llm.engine.kv_cache.kv
+    stack = model.decode_stack
+
+    def step(rows: int):
+        idx = torch.arange(rows)
+        group = AttentionGroup(token_index=idx[:, None], valid_flat=None, token_rows=idx,
+                               block_table=torch.zeros(rows, 1, dtype=torch.long), last_pos=idx * 0,
+                               mask=None, first_row=idx, first_pos=idx * 0, query_len=idx * 0 + 1)
+        meta = AttentionMetadata(slot_mapping=idx.clone(), groups=[group])
+        return torch.randn(rows, model.config.hidden_size), idx * 0, meta
+
+    x, positions, meta = step(GEMV_MAX_ROWS + 1)
+    assert not stack.accepts(x.shape[0], meta)
+    with pytest.raises(ValueError, match=f"1..{GEMV_MAX_ROWS} rows, not {GEMV_MAX_ROWS + 1}"):
+        stack(x, positions, kv, meta)
+    x, positions, meta = step(2)
+    assert stack.accepts(2, meta)
+    with pytest.raises(ValueError, match="the decode stack needs"):
+        stack(x, positions, kv[:, :, :4].contiguous()[:1], meta)  # one layer's cache
+    with pytest.raises(ValueError, match="the decode stack needs"):
+        stack(x, positions[:1], kv, meta)  # positions for one row of two
+    assert stack(x, positions, kv, meta).shape == x.shape

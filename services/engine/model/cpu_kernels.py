@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 _KV_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-GEMV_MAX_ROWS = 16  # TANDEM_GEMV_MAX_ROWS in csrc/gemv.c
+GEMV_MAX_ROWS = 16  # TANDEM_GEMV_MAX_ROWS in csrc/kernels.h
 
 
 class CpuKernels:

@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
+_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [(name, _ptr) for name in (
         "input_norm", "post_norm", "qkv", "o", "gate_up", "down",
@@ -51,24 +54,29 @@ def _ptr_of(t: torch.Tensor | None) -> int | None:
 
 class DecodeStack:
     def __init__(self, model: LlamaModel, kernels: CpuKernels) -> None:
-        """Use ``build``, which checks that ``model`` fits."""
+        """Use ``build``, which checks that ``model`` fits. The stack holds pointers to the
+        model's weights, norms and RoPE tables, so it is built last, once they are final
+        (``LlamaModel.use_cpu_kernels``), and keeps those tensors alive."""
         cfg, layers = model.config, model.layers
         self.weight_dtype = layers[0].qkv_proj.weight.dtype
         self.max_rows = layers[0].qkv_proj.gemv_rows
-        self.kv_heads = cfg.num_kv_heads
-        self._layers = (_Layer * len(layers))(*(_Layer(
-            _ptr_of(lay.input_layernorm.weight), _ptr_of(lay.post_attention_layernorm.weight),
-            _ptr_of(lay.qkv_proj.weight), _ptr_of(lay.o_proj.weight),
-            _ptr_of(lay.gate_up_proj.weight), _ptr_of(lay.down_proj.weight),
-            _ptr_of(lay.qkv_proj.bias), _ptr_of(lay.o_proj.bias),
-            _ptr_of(lay.gate_up_proj.bias), _ptr_of(lay.down_proj.bias)) for lay in layers))
+        self.shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size)
+        tensors = [model.rope.cos, model.rope.sin, model.norm.weight]
+        rows = []
+        for lay in layers:
+            per_layer = [lay.input_layernorm.weight, lay.post_attention_layernorm.weight,
+                         *(getattr(lay, n).weight for n in _PROJECTIONS),
+                         *(getattr(lay, n).bias for n in _PROJECTIONS)]
+            tensors += [t for t in per_layer if t is not None]
+            rows.append(_Layer(*(_ptr_of(t) for t in per_layer)))
+        self._tensors = tuple(tensors)  # what the pointers below point into
+        self._layers = (_Layer * len(rows))(*rows)
         attn = model.attn
         self._stack = _Stack(
             len(layers), cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
             cfg.intermediate_size, 0, attn.sliding_window or 0, model.norm.eps, attn.scale,
             int(self.weight_dtype == torch.bfloat16), 0, model.rope.cos.data_ptr(),
             model.rope.sin.data_ptr(), model.norm.weight.data_ptr(), self._layers)
-        self._model = model  # keeps every tensor above alive
         fn = self._fn = kernels.lib.tandem_decode_stack
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.POINTER(_Stack), _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr,
@@ -80,8 +88,7 @@ class DecodeStack:
         if not isinstance(model.attn, TorchPagedAttention) or model.attn.kernels is None \
                 or model.rope is None or model.rope.cos.dtype != torch.float32:
             return None
-        linears = [getattr(lay, name) for lay in model.layers
-                   for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
+        linears = [getattr(lay, name) for lay in model.layers for name in _PROJECTIONS]
         if not linears or not all(isinstance(lin, CpuLinear) and lin.gemv_rows > 0 for lin in linears):
             return None
         dtypes = {lin.weight.dtype for lin in linears}
@@ -108,21 +115,26 @@ class DecodeStack:
         ``positions [M]``, ``kv_cache [L, 2, blocks, block_size, KVH, D]``; returns the
         final-normed hidden states ``[M, hidden]``. Needs ``accepts``."""
         g = meta.groups[0]
-        index = (positions, meta.slot_mapping, g.token_rows, g.last_pos, g.block_table)
-        if any(t.dtype != torch.long or not t.is_contiguous() for t in index) \
-                or x.dtype != torch.float32 or not x.is_contiguous() \
-                or kv_cache.dtype not in (torch.float32, torch.bfloat16) \
-                or not kv_cache.is_contiguous() or kv_cache.shape[4] != self.kv_heads:
-            raise ValueError("the decode stack needs contiguous fp32 activations, int64 "
-                             "indices and an fp32 or bf16 cache [L, 2, blocks, bs, KVH, D]")
         rows = x.shape[0]
+        layers, kv_heads, head_dim, hidden = self.shape
+        index = (positions, meta.slot_mapping, g.token_rows, g.last_pos, g.block_table)
+        if any(t.dtype != torch.long or not t.is_contiguous() or t.shape[0] != rows for t in index) \
+                or g.block_table.dim() != 2 or x.dtype != torch.float32 or not x.is_contiguous() \
+                or x.shape != (rows, hidden) or kv_cache.dtype not in (torch.float32, torch.bfloat16) \
+                or not kv_cache.is_contiguous() or kv_cache.dim() != 6 \
+                or (kv_cache.shape[0], kv_cache.shape[1]) != (layers, 2) \
+                or (kv_cache.shape[4], kv_cache.shape[5]) != (kv_heads, head_dim):
+            raise ValueError("the decode stack needs contiguous fp32 activations [M, hidden], int64 "
+                             "indices of M rows and an fp32 or bf16 cache [L, 2, blocks, bs, KVH, D]")
         self._stack.block_size = kv_cache.shape[3]
         self._stack.kv_bf16 = int(kv_cache.dtype == torch.bfloat16)
         out = torch.empty_like(x)
         rc = self._fn(ctypes.byref(self._stack), x.data_ptr(), out.data_ptr(), rows,
                       positions.data_ptr(), meta.slot_mapping.data_ptr(), g.token_rows.data_ptr(),
                       g.last_pos.data_ptr(), g.block_table.data_ptr(), g.block_table.shape[1],
-                      kv_cache.data_ptr(), kv_cache.shape[2], head_splits(rows, self.kv_heads))
+                      kv_cache.data_ptr(), kv_cache.shape[2], head_splits(rows, kv_heads))
+        if rc == -2:
+            raise ValueError(f"the decode stack takes 1..{self.max_rows} rows, not {rows}")
         if rc != 0:
             raise MemoryError("the decode stack could not allocate its scratch buffers")
         return out

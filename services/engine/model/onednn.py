@@ -10,7 +10,8 @@ plain layout in fp32 (1.5-2x in bf16), prompt chunks 1.04-1.14x. The native GEMV
 layers on 2 threads of an Intel Xeon with AMX (fp32): 1 row 18.8 ms against 24.6 on
 the blocked layout and 30.4 on the plain one, 4 rows 23.0 / 28.3 / 40.0, 8 rows
 33.5 / 33.7 / 45.5, 16 rows 53.8 / 40.7 / 52.4 (where its whole-stack call,
-``decode_stack.py``, saves more than the gap): so fp32 takes it up to 16 rows. In bf16
+``decode_stack.py``, saves more than the gap): so fp32 takes it up to 16 rows (steps
+the stack cannot take, mixed ones or layers with q/k norms, gain nothing at 9-16). In bf16
 oneDNN runs on AMX tiles and the GEMV wins only at 1-2 rows. Each weight is stored
 once: layers take the blocked layout and oneDNN for every input (``blocked=False``,
 ``--cpu-weight-layout plain``: the plain layout, and the GEMV for decode-sized

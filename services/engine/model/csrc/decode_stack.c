@@ -21,37 +21,15 @@
  *   positions [M] int64 (RoPE), slots [M] int64 (cache slot of each row's K/V)
  *   token_rows, last_pos [M] int64, block_table [M, table_stride] int64: the decode group
  *   kv        [layers, 2, num_blocks, block_size, KVH, D] fp32 or bf16 contiguous
- * Returns 0, -1 when M is out of range or a scratch buffer cannot be allocated.
+ * Returns 0; -1 when a scratch buffer cannot be allocated (nothing written then, or the
+ * step's KV partly), -2 when M is out of range (nothing done).
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
 #include "kv_load.h"
-
-#define TANDEM_STACK_MAX_ROWS 16 /* TANDEM_GEMV_MAX_ROWS */
-
-void tandem_add_rms_norm_f32(float *x, const float *delta, float *out, const float *w,
-                             int64_t rows, int64_t dim, float eps);
-void tandem_rope_f32(float *q, int64_t q_stride, int64_t nq, float *k, int64_t k_stride,
-                     int64_t nk, const float *cos_t, const float *sin_t,
-                     const int64_t *positions, int64_t rows, int64_t head_dim);
-void tandem_silu_mul_f32(const float *gu, float *out, int64_t rows, int64_t inter);
-int tandem_gemv_f32(const float *x, const float *w, const float *bias, float *y, int64_t m_rows,
-                    int64_t n_out, int64_t k_in);
-int tandem_gemv_bf16(const float *x, const uint16_t *w, const float *bias, float *y,
-                     int64_t m_rows, int64_t n_out, int64_t k_in);
-int tandem_paged_decode_f32(const float *q, int64_t q_stride, float *out, const int64_t *rows,
-                            const float *k_cache, const float *v_cache, const int64_t *block_table,
-                            int64_t table_stride, const int64_t *positions, int64_t num_rows,
-                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                            int64_t block_size, int64_t window, float scale, int64_t head_splits);
-int tandem_paged_decode_bf16(const float *q, int64_t q_stride, float *out, const int64_t *rows,
-                             const uint16_t *k_cache, const uint16_t *v_cache,
-                             const int64_t *block_table, int64_t table_stride,
-                             const int64_t *positions, int64_t num_rows, int64_t num_heads,
-                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                             int64_t window, float scale, int64_t head_splits);
 
 /* One decoder layer's parameters: plain weights [out, in] (fp32, or bf16 with
  * weight_bf16), fp32 biases or NULL. */
@@ -75,14 +53,17 @@ static inline float round_trip_bf16(float f) {
     return tandem_load_bf16(&b);
 }
 
-/* y [m, n] = x [m, k] @ w.T + bias, rounded as CpuLinear rounds it; tmp holds m * k. */
-static int linear(const tandem_stack *s, const float *x, int64_t m, int64_t k, const void *w,
-                  const float *bias, float *y, int64_t n, float *tmp) {
-    if (!s->weight_bf16) return tandem_gemv_f32(x, (const float *)w, bias, y, m, n, k);
+/* y [m, n] = x [m, k] @ w.T + bias, rounded as CpuLinear rounds it; tmp holds m * k.
+ * m is in the GEMV's range (checked on entry), so the GEMV cannot refuse it. */
+static void linear(const tandem_stack *s, const float *x, int64_t m, int64_t k, const void *w,
+                   const float *bias, float *y, int64_t n, float *tmp) {
+    if (!s->weight_bf16) {
+        tandem_gemv_f32(x, (const float *)w, bias, y, m, n, k);
+        return;
+    }
     for (int64_t i = 0; i < m * k; ++i) tmp[i] = round_trip_bf16(x[i]);
-    const int rc = tandem_gemv_bf16(tmp, (const uint16_t *)w, bias, y, m, n, k);
+    tandem_gemv_bf16(tmp, (const uint16_t *)w, bias, y, m, n, k);
     for (int64_t i = 0; i < m * n; ++i) y[i] = round_trip_bf16(y[i]);
-    return rc;
 }
 
 /* Row m's new K (or V) of kv_size values into its cache slot. */
@@ -101,7 +82,7 @@ int tandem_decode_stack(const tandem_stack *s, float *x, float *out, int64_t m,
                         const int64_t *token_rows, const int64_t *last_pos,
                         const int64_t *block_table, int64_t table_stride, void *kv,
                         int64_t num_blocks, int64_t head_splits) {
-    if (m < 1 || m > TANDEM_STACK_MAX_ROWS) return -1;
+    if (m < 1 || m > TANDEM_GEMV_MAX_ROWS) return -2;
     const int64_t hidden = s->hidden, d = s->head_dim;
     const int64_t q_size = s->heads * d, kv_size = s->kv_heads * d;
     const int64_t qkv_width = q_size + 2 * kv_size, inter = s->inter;
@@ -118,19 +99,19 @@ int tandem_decode_stack(const tandem_stack *s, float *x, float *out, int64_t m,
     const size_t elem = s->kv_bf16 ? sizeof(uint16_t) : sizeof(float);
     const int64_t cache_elems = num_blocks * s->block_size * kv_size; /* one K or V of a layer */
     int rc = 0;
-    for (int64_t l = 0; l < s->num_layers && rc == 0; ++l) {
+    for (int64_t l = 0; l < s->num_layers; ++l) {
         const tandem_layer *L = &s->layers[l];
         char *k_cache = (char *)kv + (size_t)(2 * l) * (size_t)cache_elems * elem;
         char *v_cache = k_cache + (size_t)cache_elems * elem;
         tandem_add_rms_norm_f32(x, l == 0 ? NULL : delta, h, L->input_norm, m, hidden, s->eps);
-        rc |= linear(s, h, m, hidden, L->qkv, L->qkv_bias, qkv, qkv_width, tmp);
+        linear(s, h, m, hidden, L->qkv, L->qkv_bias, qkv, qkv_width, tmp);
         tandem_rope_f32(qkv, qkv_width, s->heads, qkv + q_size, qkv_width, s->kv_heads, s->cos,
                         s->sin, positions, m, d);
         for (int64_t r = 0; r < m; ++r) {
             store_kv(s, k_cache, slots[r], qkv + r * qkv_width + q_size, kv_size);
             store_kv(s, v_cache, slots[r], qkv + r * qkv_width + q_size + kv_size, kv_size);
         }
-        rc |= s->kv_bf16
+        rc = s->kv_bf16
                   ? tandem_paged_decode_bf16(qkv, qkv_width, attn, token_rows,
                                              (const uint16_t *)k_cache, (const uint16_t *)v_cache,
                                              block_table, table_stride, last_pos, m, s->heads,
@@ -141,11 +122,12 @@ int tandem_decode_stack(const tandem_stack *s, float *x, float *out, int64_t m,
                                             block_table, table_stride, last_pos, m, s->heads,
                                             s->kv_heads, d, s->block_size, s->window, s->scale,
                                             head_splits);
-        rc |= linear(s, attn, m, q_size, L->o, L->o_bias, o, hidden, tmp);
+        if (rc != 0) break; /* its scratch could not be allocated */
+        linear(s, attn, m, q_size, L->o, L->o_bias, o, hidden, tmp);
         tandem_add_rms_norm_f32(x, o, h, L->post_norm, m, hidden, s->eps);
-        rc |= linear(s, h, m, hidden, L->gate_up, L->gate_up_bias, gu, 2 * inter, tmp);
+        linear(s, h, m, hidden, L->gate_up, L->gate_up_bias, gu, 2 * inter, tmp);
         tandem_silu_mul_f32(gu, act, m, inter);
-        rc |= linear(s, act, m, inter, L->down, L->down_bias, delta, hidden, tmp);
+        linear(s, act, m, inter, L->down, L->down_bias, delta, hidden, tmp);
     }
     if (rc == 0)
         tandem_add_rms_norm_f32(x, s->num_layers ? delta : NULL, out, s->final_norm, m, hidden, s->eps);

@@ -5,6 +5,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kernels.h"
 #include "kv_load.h"
 #include "team.h"
 #include "vexp.h"

@@ -5,8 +5,9 @@
  * W is streamed once from memory and multiplied with every input row while it sits in
  * registers, then in L1 (input rows in tiles of 4: one accumulator per input row and
  * weight row). Output channels are split over OpenMP threads in contiguous chunks, so
- * each thread streams its own part of W front to back. Each output is the same sum in
- * the same order whatever M is.
+ * each thread streams its own part of W front to back. With AVX-512 each output is the
+ * same sum in the same order whatever M is (the portable loop leaves that to the
+ * compiler's vectorization).
  *
  *   x    [M, K] fp32 contiguous, 1 <= M <= TANDEM_GEMV_MAX_ROWS
  *   w    [N, K] fp32 or bf16 contiguous
@@ -16,10 +17,9 @@
  */
 #include <stdint.h>
 
+#include "kernels.h"
 #include "kv_load.h"
 #include "team.h"
-
-#define TANDEM_GEMV_MAX_ROWS 16
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -33,12 +33,12 @@ static inline __m512 load16_bf16(const uint16_t *p, __mmask16 m) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));  /* bf16 = fp32's top half */
 }
 
-/* Rows n..n+R-1 of W (R <= 4) against the M input rows; W_T the element type. */
+/* Rows n..n+R-1 of W (R <= 4) against M <= 4 input rows; W_T the element type. */
 #define GEMV_BLOCK(NAME, W_T, LOAD16)                                                          \
     static inline __attribute__((always_inline)) void NAME(                                    \
         const float *x, const W_T *w, const float *bias, float *y, int64_t n, int64_t n_out,   \
         int64_t k_in, const int M, const int R) {                                              \
-        __m512 acc[4][4];                                                   \
+        __m512 acc[4][4];                                                                      \
         for (int m = 0; m < M; ++m)                                                            \
             for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();                       \
         for (int64_t k = 0; k < k_in; k += 16) {                                               \

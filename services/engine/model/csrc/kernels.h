@@ -1,0 +1,36 @@
+/* The kernels one file calls from another (decode_stack.c chains them): their
+ * signatures, checked against the definitions where those include this header. */
+#ifndef TANDEM_KERNELS_H
+#define TANDEM_KERNELS_H
+#include <stdint.h>
+
+#define TANDEM_GEMV_MAX_ROWS 16 /* input rows the GEMV (and so the decode stack) takes */
+
+/* fused_ops.c */
+void tandem_add_rms_norm_f32(float *x, const float *delta, float *out, const float *w,
+                             int64_t rows, int64_t dim, float eps);
+void tandem_rope_f32(float *q, int64_t q_stride, int64_t nq, float *k, int64_t k_stride,
+                     int64_t nk, const float *cos_t, const float *sin_t,
+                     const int64_t *positions, int64_t rows, int64_t head_dim);
+void tandem_silu_mul_f32(const float *gu, float *out, int64_t rows, int64_t inter);
+void tandem_silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t rows, int64_t inter);
+
+/* gemv.c */
+int tandem_gemv_f32(const float *x, const float *w, const float *bias, float *y, int64_t m_rows,
+                    int64_t n_out, int64_t k_in);
+int tandem_gemv_bf16(const float *x, const uint16_t *w, const float *bias, float *y,
+                     int64_t m_rows, int64_t n_out, int64_t k_in);
+
+/* paged_decode.c */
+int tandem_paged_decode_f32(const float *q, int64_t q_stride, float *out, const int64_t *rows,
+                            const float *k_cache, const float *v_cache, const int64_t *block_table,
+                            int64_t table_stride, const int64_t *positions, int64_t num_rows,
+                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                            int64_t block_size, int64_t window, float scale, int64_t head_splits);
+int tandem_paged_decode_bf16(const float *q, int64_t q_stride, float *out, const int64_t *rows,
+                             const uint16_t *k_cache, const uint16_t *v_cache,
+                             const int64_t *block_table, int64_t table_stride,
+                             const int64_t *positions, int64_t num_rows, int64_t num_heads,
+                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                             int64_t window, float scale, int64_t head_splits);
+#endif
