@@ -97,3 +97,6 @@ def test_the_stack_refuses_what_it_cannot_run(checkpoints):
     with pytest.raises(ValueError, match="the decode stack needs"):
         stack(x, positions[:1], kv, meta)  # positions for one row of two
     assert stack(x, positions, kv, meta).shape == x.shape
+    layers_done = []  # a per-layer callback (layer-wise KV transfer) keeps the Python forward
+    model(torch.tensor([5, 6]), positions, kv, meta, on_layer_done=layers_done.append)
+    assert layers_done == list(range(model.config.num_layers))
