@@ -126,6 +126,10 @@ class DecodeStack:
                 or (kv_cache.shape[4], kv_cache.shape[5]) != (kv_heads, head_dim):
             raise ValueError("the decode stack needs contiguous fp32 activations [M, hidden], int64 "
                              "indices of M rows and an fp32 or bf16 cache [L, 2, blocks, bs, KVH, D]")
+        slots = kv_cache.shape[2] * kv_cache.shape[3]
+        if rows and (int(g.token_rows.min()) < 0 or int(g.token_rows.max()) >= rows
+                     or int(meta.slot_mapping.min()) < 0 or int(meta.slot_mapping.max()) >= slots):
+            raise ValueError("the decode stack's token rows and cache slots must lie in range")
         self._stack.block_size = kv_cache.shape[3]
         self._stack.kv_bf16 = int(kv_cache.dtype == torch.bfloat16)
         out = torch.empty_like(x)
