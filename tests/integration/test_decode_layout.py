@@ -5,6 +5,7 @@ still the offline engine's."""
 
 from __future__ import annotations
 
+import pytest
 import ray
 
 from services.cluster.cluster import Cluster
@@ -22,9 +23,11 @@ def _layouts(actor) -> tuple[bool, bool]:
     return ray.get(actor.__ray_call__.remote(probe), timeout=60)
 
 
+@pytest.mark.parametrize("mode", ["disaggregated", "conditional"])
 def test_the_decode_pool_runs_plain_weights_with_the_same_outputs(ray_session, checkpoint, prompts,  # noqa: F811
-                                                                   reference):  # noqa: F811
-    cluster = Cluster(_config(checkpoint, prefill_workers=1, decode_workers=1,
+                                                                   reference, mode):  # noqa: F811
+    # conditional: the shorter prompts prefill on the decode worker, on its plain weights
+    cluster = Cluster(_config(checkpoint, mode=mode, prefill_workers=1, decode_workers=1,
                               decode_weight_layout="plain")).start()
     try:
         assert _layouts(cluster.prefill[0].actor) == (True, False)
@@ -33,5 +36,15 @@ def test_the_decode_pool_runs_plain_weights_with_the_same_outputs(ray_session, c
         assert cluster.engine_config("prefill-0").cpu_weight_layout == "blocked"
         assert run_all(cluster, prompts) == reference
         wait_all_free(cluster)
+    finally:
+        cluster.shutdown()
+
+
+def test_colocated_workers_keep_the_clusters_layout(ray_session, checkpoint, prompts, reference):  # noqa: F811
+    cluster = Cluster(_config(checkpoint, mode="colocated", prefill_workers=0, decode_workers=1,
+                              decode_weight_layout="plain")).start()
+    try:
+        assert _layouts(cluster.decode[0].actor) == (True, False)  # it prefills every prompt
+        assert run_all(cluster, prompts) == reference
     finally:
         cluster.shutdown()
