@@ -27,6 +27,14 @@ def _engine(path, dtype: str, layout: str = "plain") -> LLM:
                dtype=dtype, cpu_weight_layout=layout, num_blocks=256)
 
 
+def _stack_steps(monkeypatch) -> list[int]:
+    """The rows of each step the decode stack runs from now on."""
+    steps: list[int] = []
+    call = DecodeStack.__call__
+    monkeypatch.setattr(DecodeStack, "__call__", lambda self, *a: steps.append(a[0].shape[0]) or call(self, *a))
+    return steps
+
+
 def _run(llm: LLM, n: int):
     # 45-60 token prompts: past mistral's 40-token sliding window
     prompts = [[(7 * i + 3 * j) % 1000 + 2 for j in range(45 + 3 * i)] for i in range(n)]
@@ -44,9 +52,7 @@ def test_the_stack_writes_what_the_python_forward_writes(checkpoints, arch, dtyp
     stack = native_llm.engine.runner.model.decode_stack
     assert stack is not None and stack.max_rows == (GEMV_MAX_ROWS if dtype == "float32" else 2)
     python_llm.engine.runner.model.decode_stack = None
-    steps = []
-    call = DecodeStack.__call__
-    monkeypatch.setattr(DecodeStack, "__call__", lambda self, *a: steps.append(a[0].shape[0]) or call(self, *a))
+    steps = _stack_steps(monkeypatch)
     native, native_kv = _run(native_llm, stack.max_rows)
     assert steps and max(steps) == stack.max_rows  # the batch's decode steps ran native
     python, python_kv = _run(python_llm, stack.max_rows)
@@ -56,9 +62,7 @@ def test_the_stack_writes_what_the_python_forward_writes(checkpoints, arch, dtyp
 
 def test_steps_wider_than_the_gemv_keep_the_python_forward(checkpoints, monkeypatch):
     llm = _engine(checkpoints["llama3"], "float32")
-    steps = []
-    call = DecodeStack.__call__
-    monkeypatch.setattr(DecodeStack, "__call__", lambda self, *a: steps.append(a[0].shape[0]) or call(self, *a))
+    steps = _stack_steps(monkeypatch)
     _run(llm, GEMV_MAX_ROWS + 1)  # past the GEMV's rows
     assert not steps
 

@@ -69,6 +69,14 @@ class AttentionMetadata:
     groups: list[AttentionGroup] = field(default_factory=list)  # backends without uses_varlen
     varlen: VarlenBatch | None = None  # backends with uses_varlen
 
+    def decode_group(self) -> AttentionGroup | None:
+        """The step's one group when it is a pure decode step (one query row per sequence,
+        none padded), else None."""
+        if len(self.groups) != 1:
+            return None
+        g = self.groups[0]
+        return g if g.valid_flat is None and g.token_index.shape[1] == 1 else None
+
 
 class AttentionBackend(Protocol):
     # True: attends from ``meta.varlen`` (the runner builds no groups); False: from
@@ -114,9 +122,9 @@ class TorchPagedAttention:
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         native = self.kernels is not None  # installed only on a CPU model with fp32 activations
-        if not native and len(meta.groups) == 1 and meta.groups[0].valid_flat is None \
-                and meta.groups[0].token_index.shape[1] == 1:
-            return self._group(q, k_cache, v_cache, meta.groups[0])[:, 0]  # pure decode step
+        decode = None if native else meta.decode_group()
+        if decode is not None:
+            return self._group(q, k_cache, v_cache, decode)[:, 0]  # pure decode step
         out = q.new_empty(q.shape)  # contiguous even where q is a strided view of qkv
         bf16_prompts = self.amx_prompts and k_cache.dtype == torch.bfloat16
         for g in meta.groups:

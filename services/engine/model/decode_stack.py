@@ -58,7 +58,6 @@ class DecodeStack:
         model's weights, norms and RoPE tables, so it is built last, once they are final
         (``LlamaModel.use_cpu_kernels``), and keeps those tensors alive."""
         cfg, layers = model.config, model.layers
-        self.weight_dtype = layers[0].qkv_proj.weight.dtype
         self.max_rows = layers[0].qkv_proj.gemv_rows
         self.shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size)
         tensors = [model.rope.cos, model.rope.sin, model.norm.weight]
@@ -75,7 +74,7 @@ class DecodeStack:
         self._stack = _Stack(
             len(layers), cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
             cfg.intermediate_size, 0, attn.sliding_window or 0, model.norm.eps, attn.scale,
-            int(self.weight_dtype == torch.bfloat16), 0, model.rope.cos.data_ptr(),
+            int(layers[0].qkv_proj.weight.dtype == torch.bfloat16), 0, model.rope.cos.data_ptr(),
             model.rope.sin.data_ptr(), model.norm.weight.data_ptr(), self._layers)
         fn = self._fn = kernels.lib.tandem_decode_stack
         fn.restype = ctypes.c_int
@@ -103,10 +102,8 @@ class DecodeStack:
     def accepts(self, num_tokens: int, meta: AttentionMetadata) -> bool:
         """Whether a step of ``num_tokens`` rows with ``meta`` runs here: one group of
         decode rows, one per token."""
-        if not 1 <= num_tokens <= self.max_rows or len(meta.groups) != 1:
-            return False
-        g = meta.groups[0]
-        return g.token_index.shape[1] == 1 and g.valid_flat is None \
+        g = meta.decode_group()
+        return g is not None and 1 <= num_tokens <= self.max_rows \
             and g.token_rows.shape[0] == num_tokens
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,

@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 from services.common.cache_dir import cache_dir
+from services.engine.model import cpu_features
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("paged_decode.c", "paged_prefill.c", "fused_ops.c", "int8_linear.c", "gemv.c",
@@ -23,11 +24,8 @@ FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fope
 
 
 def _cpu_id() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), platform.processor())
-    except OSError:
-        return platform.processor()
+    """The CPU's flags (what ``-march=native`` compiles for), or its name where unknown."""
+    return " ".join(sorted(cpu_features.cpu_flags())) or platform.processor()
 
 
 def build(compiler: str) -> Path:
