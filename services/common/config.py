@@ -226,7 +226,7 @@ class EngineConfig:
         "choices": CPU_WEIGHT_LAYOUTS,
         "help": "CPU weights: blocked (oneDNN's layout: the faster for prompts and for decode "
                 "steps past 16 rows in fp32, 2 in bf16) or plain (steps up to those rows on the "
-                "native GEMV, their layers in one native call: ~1.7x faster at batch 1-4)"})
+                "native GEMV, their layers in one native call: 1.4-1.9x faster at batch 1-4)"})
     cpu_kernels: bool = field(default=True, metadata={
         "help": "CPU: native decode attention, fused kernels and the decode-row GEMV "
                 "(compiled on first use)"})
