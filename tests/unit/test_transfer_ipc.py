@@ -96,8 +96,8 @@ def test_pairs_meet_through_a_rendezvous_and_a_leaving_peer_breaks_the_other(tmp
         pending = receiver.expect("never", 0, [1], [range(0, 2)])
     except ConnectionError:
         pending = None
-    for _ in range(300):
-        if receiver.broken is not None:
+    for _ in range(300):  # the channel breaks first; its receive thread then marks the peer dead
+        if 0 in receiver.dead_peers:
             break
         threading.Event().wait(0.05)
     assert receiver.broken is not None and 0 in receiver.dead_peers
