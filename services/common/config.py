@@ -62,7 +62,7 @@ def _enum(cls: type[enum.Enum], value: object, name: str) -> enum.Enum:
 CPU_KV_CACHE_GB = 1.0
 # Attention backends: auto = Triton kernels on CUDA, torch (SDPA, native CPU kernels) elsewhere.
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-CPU_WEIGHT_LAYOUTS = ("blocked", "plain")  # see services/engine/model/onednn.py
+CPU_WEIGHT_LAYOUTS = ("packed", "blocked", "plain")  # see services/engine/model/onednn.py
 
 # Defaults the router shares (services.router.config.RouterConfig takes them from here).
 LOCAL_PREFILL_THRESHOLD = 64
@@ -222,11 +222,12 @@ class EngineConfig:
     seed: int = field(default=0, metadata={"help": "sampler seed"})
     onednn: bool = field(default=True, metadata={
         "help": "CPU fp32: oneDNN matmuls (faster; rounding differs from MKL's)"})
-    cpu_weight_layout: str = field(default="blocked", metadata={
+    cpu_weight_layout: str = field(default="packed", metadata={
         "choices": CPU_WEIGHT_LAYOUTS,
-        "help": "CPU weights: blocked (oneDNN's layout: the faster for prompts and for decode "
-                "steps past 16 rows in fp32, 2 in bf16) or plain (steps up to those rows on the "
-                "native GEMV, their layers in one native call: 1.4-1.9x faster at batch 1-4)"})
+        "help": "CPU weights: packed (fp32: one native kernel for every step, decode steps "
+                "through all layers in one native call; bf16 weights take blocked), blocked "
+                "(oneDNN's layout) or plain (oneDNN, and the native GEMV for decode steps of up "
+                "to 16 rows in fp32, 2 in bf16)"})
     cpu_kernels: bool = field(default=True, metadata={
         "help": "CPU: native decode attention, fused kernels and the decode-row GEMV "
                 "(compiled on first use)"})
@@ -285,12 +286,11 @@ class ClusterConfig:
     decode_burst_threads: int = field(default=0, metadata={
         "help": "disaggregated on CPU: decode workers run this many torch threads while no "
                 "prefill is pending for them, threads-per-worker otherwise (0: off)"})
-    # A decode worker's steps are GEMVs over a few rows: on plain weights they run as one
-    # native call per step, while prompts are faster on oneDNN's blocked layout.
+    # The decode pool's steps are decode rows only; the prefill pool's are prompts.
     decode_weight_layout: str | None = field(default=None, metadata={
         "choices": CPU_WEIGHT_LAYOUTS,
         "help": "CPU, disaggregated or conditional: the decode pool's weight layout (default: "
-                "--cpu-weight-layout); plain serves decode steps of up to 16 rows (fp32) faster"})
+                "--cpu-weight-layout)"})
     cpus_per_worker: float = field(default=0.0, metadata={"help": "Ray CPUs each worker asks for"})
     # None: 1 on CUDA (one GPU per worker: NCCL ranks never share one), 0 on CPU.
     gpus_per_worker: float | None = field(default=None, metadata={

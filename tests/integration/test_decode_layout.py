@@ -1,7 +1,7 @@
 """A decode pool on its own weight layout (--decode-weight-layout plain) in a real
-disaggregated cluster: the prefill worker keeps oneDNN's blocked weights, the decode
-worker runs its steps on the plain ones (the native decode stack), and every output is
-still the offline engine's."""
+disaggregated cluster: the prefill worker keeps the cluster's (packed) weights, the
+decode worker runs its steps on the plain ones (the native decode stack over the GEMV),
+and every output is still the offline engine's."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ from services.cluster.cluster import Cluster
 from tests.integration.test_cluster import _config, prompts, reference, run_all, wait_all_free  # noqa: F401
 
 
-def _layouts(actor) -> tuple[bool, bool]:
-    """(every projection blocked, the decode stack built) on a worker's engine."""
+def _layouts(actor) -> tuple[set[str], bool]:
+    """(the projections' layouts, the decode stack built) on a worker's engine."""
     def probe(worker):
         from services.engine.model.onednn import CpuLinear
 
         model = worker.engine.runner.model
         layers = [m for m in model.layers.modules() if isinstance(m, CpuLinear)]
-        return all(m.blocked for m in layers), model.decode_stack is not None
+        return {m.layout for m in layers}, model.decode_stack is not None
     return ray.get(actor.__ray_call__.remote(probe), timeout=60)
 
 
@@ -30,10 +30,10 @@ def test_the_decode_pool_runs_plain_weights_with_the_same_outputs(ray_session, c
     cluster = Cluster(_config(checkpoint, mode=mode, prefill_workers=1, decode_workers=1,
                               decode_weight_layout="plain")).start()
     try:
-        assert _layouts(cluster.prefill[0].actor) == (True, False)
-        assert _layouts(cluster.decode[0].actor) == (False, True)
+        assert _layouts(cluster.prefill[0].actor) == ({"packed"}, True)
+        assert _layouts(cluster.decode[0].actor) == ({"plain"}, True)
         assert cluster.engine_config("decode-0").cpu_weight_layout == "plain"
-        assert cluster.engine_config("prefill-0").cpu_weight_layout == "blocked"
+        assert cluster.engine_config("prefill-0").cpu_weight_layout == "packed"
         assert run_all(cluster, prompts) == reference
         wait_all_free(cluster)
     finally:
@@ -44,7 +44,7 @@ def test_colocated_workers_keep_the_clusters_layout(ray_session, checkpoint, pro
     cluster = Cluster(_config(checkpoint, mode="colocated", prefill_workers=0, decode_workers=1,
                               decode_weight_layout="plain")).start()
     try:
-        assert _layouts(cluster.decode[0].actor) == (True, False)  # it prefills every prompt
+        assert _layouts(cluster.decode[0].actor) == ({"packed"}, True)  # it prefills every prompt
         assert run_all(cluster, prompts) == reference
     finally:
         cluster.shutdown()

@@ -1,13 +1,15 @@
 """The native decode stack against the Python forward it replaces: the same tokens,
-logprobs and KV bits, per model family and weight dtype (CPU, plain weight layout)."""
+logprobs and KV bits, per model family, weight layout (packed, plain) and weight dtype."""
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 import torch
 
 from services.engine import LLM, SamplingParams
-from services.engine.model import cpu_kernels
+from services.engine.model import cpu_features, cpu_kernels
 from services.engine.model.cpu_kernels import GEMV_MAX_ROWS
 from services.engine.model.decode_stack import DecodeStack
 from tests.hf_models import write_hf_checkpoint
@@ -45,23 +47,32 @@ def _run(llm: LLM, n: int):
         llm.engine.kv_cache.kv.clone()
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+# (layout, weight dtype, rows of the widest step run): plain weights take the GEMV's rows,
+# packed ones any (bf16 weights are never packed)
+CASES = [("plain", "float32", GEMV_MAX_ROWS), ("plain", "bfloat16", 2),
+         ("packed", "float32", GEMV_MAX_ROWS + 8)]
+
+
+@pytest.mark.parametrize("layout,dtype,rows", CASES)
 @pytest.mark.parametrize("arch", ["llama3", "mistral", "qwen2"])
-def test_the_stack_writes_what_the_python_forward_writes(checkpoints, arch, dtype, monkeypatch):
-    native_llm, python_llm = _engine(checkpoints[arch], dtype), _engine(checkpoints[arch], dtype)
+def test_the_stack_writes_what_the_python_forward_writes(checkpoints, arch, layout, dtype, rows,
+                                                         monkeypatch):
+    if dtype == "bfloat16" and not cpu_features.has_native_bf16():
+        pytest.skip("no AVX-512 BF16 / AMX: bf16 weights run on the torch path")
+    native_llm, python_llm = (_engine(checkpoints[arch], dtype, layout) for _ in range(2))
     stack = native_llm.engine.runner.model.decode_stack
-    assert stack is not None and stack.max_rows == (GEMV_MAX_ROWS if dtype == "float32" else 2)
+    assert stack is not None and stack.max_rows == (sys.maxsize if layout == "packed" else rows)
     python_llm.engine.runner.model.decode_stack = None
     steps = _stack_steps(monkeypatch)
-    native, native_kv = _run(native_llm, stack.max_rows)
-    assert steps and max(steps) == stack.max_rows  # the batch's decode steps ran native
-    python, python_kv = _run(python_llm, stack.max_rows)
+    native, native_kv = _run(native_llm, rows)
+    assert steps and max(steps) == rows  # the batch's decode steps ran native
+    python, python_kv = _run(python_llm, rows)
     assert native == python
     assert torch.equal(native_kv, python_kv)  # two fresh engines: the same blocks written
 
 
-def test_steps_wider_than_the_gemv_keep_the_python_forward(checkpoints, monkeypatch):
-    llm = _engine(checkpoints["llama3"], "float32")
+def test_steps_wider_than_the_gemv_keep_the_python_forward_on_plain_weights(checkpoints, monkeypatch):
+    llm = _engine(checkpoints["llama3"], "float32", "plain")
     steps = _stack_steps(monkeypatch)
     _run(llm, GEMV_MAX_ROWS + 1)  # past the GEMV's rows
     assert not steps
@@ -70,6 +81,9 @@ def test_steps_wider_than_the_gemv_keep_the_python_forward(checkpoints, monkeypa
 def test_no_stack_where_it_cannot_run(checkpoints):
     assert _engine(checkpoints["qwen3"], "float32").engine.runner.model.decode_stack is None  # q/k norms
     assert _engine(checkpoints["llama3"], "float32", "blocked").engine.runner.model.decode_stack is None
+    if cpu_features.has_native_bf16():
+        bf16 = _engine(checkpoints["llama3"], "bfloat16", "packed").engine.runner.model  # blocked then
+        assert bf16.layers[0].qkv_proj.blocked and bf16.decode_stack is None
     no_kernels = LLM(str(checkpoints["llama3"]), num_threads=2, max_model_len=256, num_blocks=64,
                      cpu_weight_layout="plain", cpu_kernels=False)
     assert no_kernels.engine.runner.model.decode_stack is None
@@ -92,7 +106,7 @@ def test_the_stack_refuses_what_it_cannot_run(checkpoints):
 
     x, positions, meta = step(GEMV_MAX_ROWS + 1)
     assert not stack.accepts(x.shape[0], meta)
-    with pytest.raises(ValueError, match=f"1..{GEMV_MAX_ROWS} rows, not {GEMV_MAX_ROWS + 1}"):
+    with pytest.raises(ValueError, match=f"1..{GEMV_MAX_ROWS} rows on these weights, not {GEMV_MAX_ROWS + 1}"):
         stack(x, positions, kv, meta)
     x, positions, meta = step(2)
     assert stack.accepts(2, meta)

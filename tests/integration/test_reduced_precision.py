@@ -7,6 +7,7 @@ is never token-exact); the figures on the real default model are in the README.
 from __future__ import annotations
 
 import logging
+import sys
 
 import pytest
 import torch
@@ -72,7 +73,8 @@ def test_bf16_weights_and_kv_stay_close_to_fp32(checkpoint, fp32_llm):
     model = low.engine.runner.model
     assert low.engine.kv_cache.kv.dtype == torch.bfloat16
     assert {m.weight.dtype for m in model.modules() if isinstance(m, CpuLinear)} == {torch.bfloat16}
-    assert all(m.blocked and m.gemv_rows == 0 for m in model.layers.modules() if isinstance(m, CpuLinear))
+    # bf16 weights take oneDNN's blocked layout (AMX) where packed, the default, is asked for
+    assert all(m.blocked and m.native_rows == 0 for m in model.layers.modules() if isinstance(m, CpuLinear))
     assert model.act_dtype == torch.float32
     assert model.weight_bytes() < 0.55 * fp32_llm.engine.runner.model.weight_bytes()
     agreement, gap = _closeness(low, fp32_llm)
@@ -126,32 +128,39 @@ def test_int8_rejects_what_it_cannot_run(checkpoint):
         _llm(checkpoint, quantization="int8", dtype="float16")
 
 
-def test_fp32_weights_are_blocked_and_plain_ones_use_the_gemv_unless_native_kernels_are_off(checkpoint):
+def test_fp32_weights_are_packed_blocked_or_plain_as_asked_and_native_kernels_off_keep_onednn(checkpoint):
     if cpu_kernels.load() is None:
         pytest.skip("no C compiler on this machine")
     on = _llm(checkpoint, dtype="float32").engine.runner.model
+    layers = [m for m in on.layers.modules() if isinstance(m, CpuLinear)]
+    assert layers and all(m.layout == "packed" and m.native_rows == sys.maxsize for m in layers)
+    assert all(m.weight.shape == ((m.out_features + 31) // 32, m.in_features, 32) for m in layers)
     off = _llm(checkpoint, dtype="float32", cpu_kernels=False).engine.runner.model
-    for model in (on, off):
+    blocked = _llm(checkpoint, dtype="float32", cpu_weight_layout="blocked").engine.runner.model
+    for model in (off, blocked):  # no native kernels: the packed layout falls back to oneDNN's
         layers = [m for m in model.layers.modules() if isinstance(m, CpuLinear)]
-        assert layers and all(m.blocked and m.weight.is_mkldnn and m.gemv_rows == 0 for m in layers)
-    # a tied head stays the plain table (the GEMV's); the checkpoint's own head is blocked
-    assert on.lm_head.blocked != on.config.tie_word_embeddings
-    assert on.lm_head.gemv_rows == (0 if on.lm_head.blocked else GEMV_MAX_ROWS) and off.lm_head.gemv_rows == 0
-    x = torch.randn(3, on.config.hidden_size)  # the same product either way, to float rounding
-    torch.testing.assert_close(on.lm_head(x), off.lm_head(x), atol=1e-4, rtol=1e-4)
+        assert layers and all(m.blocked and m.weight.is_mkldnn and m.native_rows == 0 for m in layers)
+    # a tied head stays the plain table (the GEMV's); the checkpoint's own head is packed
+    tied = on.config.tie_word_embeddings
+    assert on.lm_head.layout == ("plain" if tied else "packed")
+    assert on.lm_head.native_rows == (GEMV_MAX_ROWS if tied else sys.maxsize)
+    assert off.lm_head.native_rows == 0
+    x = torch.randn(3, on.config.hidden_size)  # the same product every way, to float rounding
+    for model in (off, blocked):
+        torch.testing.assert_close(on.lm_head(x), model.lm_head(x), atol=1e-4, rtol=1e-4)
     plain = _llm(checkpoint, dtype="float32", cpu_weight_layout="plain").engine.runner.model
     linears = [m for m in plain.modules() if isinstance(m, CpuLinear)]
-    assert linears and all(not m.blocked and not m.weight.is_mkldnn and m.gemv_rows == GEMV_MAX_ROWS for m in linears)
+    assert linears and all(not m.blocked and not m.weight.is_mkldnn and m.native_rows == GEMV_MAX_ROWS for m in linears)
     torch.testing.assert_close(plain.lm_head(x), on.lm_head(x), atol=1e-4, rtol=1e-4)
-    with pytest.raises(ValueError, match="cpu_weight_layout must be one of blocked, plain"):
-        _llm(checkpoint, cpu_weight_layout="packed")
+    with pytest.raises(ValueError, match="cpu_weight_layout must be one of packed, blocked, plain"):
+        _llm(checkpoint, cpu_weight_layout="dense")
 
 
 @pytest.mark.parametrize("shared", [False, True])
 def test_a_blocked_fp32_layer_computes_the_plain_product(shared):
     gen = torch.Generator().manual_seed(1)
     w, b = torch.randn(300, 64, generator=gen), torch.randn(300, generator=gen)
-    layer = CpuLinear(w, b, torch.float32, shared=shared)
+    layer = CpuLinear(w, b, torch.float32, layout="blocked", shared=shared)
     assert layer.blocked != shared and layer.weight.is_mkldnn != shared
     if shared:
         assert layer.weight.data_ptr() == w.data_ptr()
@@ -168,7 +177,7 @@ def test_a_row_computes_alike_alone_and_in_a_batch(dtype, tol):
         pytest.skip("no AVX-512 BF16 / AMX")
     gen = torch.Generator().manual_seed(0)
     layer = CpuLinear(torch.randn(300, 64, generator=gen), torch.randn(300, generator=gen), dtype,
-                      blocked=False)  # plain: the layout on which rows can take the GEMV
+                      layout="plain")  # the layout on which rows can take the GEMV
     rows = GEMV_MAX_ROWS + 4  # past the GEMV: oneDNN
     x = torch.randn(rows, 64, generator=gen)
     alone = torch.cat([layer(x[i:i + 1]) for i in range(rows)])

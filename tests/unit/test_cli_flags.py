@@ -113,7 +113,7 @@ def test_configs_validate_choices():
         EngineConfig(dtype="fp8")
     with pytest.raises(ValueError, match="device must be"):
         EngineConfig(device="gpu")
-    with pytest.raises(ValueError, match="decode_weight_layout must be one of blocked, plain"):
+    with pytest.raises(ValueError, match="decode_weight_layout must be one of packed, blocked, plain"):
         ClusterConfig(decode_weight_layout="dense")
     assert build_config(_serve("--decode-weight-layout", "plain")).decode_weight_layout == "plain"
     assert dataclasses.replace(ClusterConfig(), mode="colocated", prefill_workers=0).mode is ClusterMode.COLOCATED

@@ -132,9 +132,9 @@ def test_a_bf16_mlp_keeps_its_interior_bf16_with_the_same_result():
     gen = torch.Generator().manual_seed(0)
     # the plain layout: one or two bf16 rows go to the GEMV, and the MLP keeps fp32 there
     gate_up = onednn.CpuLinear(torch.randn(2 * 96, 64, generator=gen) / 8, None, torch.bfloat16,
-                               blocked=False)
+                               layout="plain")
     down = onednn.CpuLinear(torch.randn(64, 96, generator=gen) / 8, None, torch.bfloat16,
-                            blocked=False)
+                            layout="plain")
     assert [gate_up.runs_on_onednn(r) for r in (1, 2, 3)] == [False, False, True]
     ops = NativeLayerOps(kernels)
     for rows in (1, 2, 3, 37):

@@ -1,16 +1,16 @@
-"""Every decoder layer of a small decode step in one native call (``csrc/decode_stack.c``).
+"""Every decoder layer of a decode step in one native call (``csrc/decode_stack.c``).
 
-At batch 1-16 a CPU decode step is a chain of GEMVs bound by reading the weights; a
-Python forward adds ~0.4 ms of dispatch a layer around them (a third of SmolLM2-135M's
+At small batches a CPU decode step is a chain of products bound by reading the weights;
+a Python forward adds ~0.4 ms of dispatch a layer around them (a third of SmolLM2-135M's
 batch-1 step on two threads). ``DecodeStack`` hands the whole chain to C, which calls
 the same kernels in the same order with the same roundings: the hidden states and the
 KV written are bit-identical to the Python path's.
 
-It runs where every projection is a ``CpuLinear`` on the native GEMV (plain weights,
-``--cpu-weight-layout plain``: oneDNN's blocked layout is opaque to C), the layers have
-no q/k norms, and a step is one decode group of at most ``max_rows`` rows (16 with fp32
-weights, 2 with bf16: the GEMV's range) with no per-layer callback. Other steps keep the
-Python forward.
+It runs where every projection is a ``CpuLinear`` on a native kernel (packed fp32
+weights, the default, for any number of rows; or plain weights on the GEMV, up to 16
+rows with fp32 weights and 2 with bf16: oneDNN's blocked layout is opaque to C), the
+layers have no q/k norms, and a step is one decode group of at most ``max_rows`` rows
+with no per-layer callback. Other steps keep the Python forward.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ class _Stack(ctypes.Structure):
         "window")),
         ("eps", ctypes.c_float), ("scale", ctypes.c_float),
         ("weight_bf16", ctypes.c_int32), ("kv_bf16", ctypes.c_int32),
+        ("weight_packed", ctypes.c_int32),
         ("cos", _ptr), ("sin", _ptr), ("final_norm", _ptr), ("layers", ctypes.POINTER(_Layer))]
 
 
@@ -58,7 +59,7 @@ class DecodeStack:
         model's weights, norms and RoPE tables, so it is built last, once they are final
         (``LlamaModel.use_cpu_kernels``), and keeps those tensors alive."""
         cfg, layers = model.config, model.layers
-        self.max_rows = layers[0].qkv_proj.gemv_rows
+        self.max_rows = layers[0].qkv_proj.native_rows
         self.shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size)
         tensors = [model.rope.cos, model.rope.sin, model.norm.weight]
         rows = []
@@ -74,7 +75,8 @@ class DecodeStack:
         self._stack = _Stack(
             len(layers), cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
             cfg.intermediate_size, 0, attn.sliding_window or 0, model.norm.eps, attn.scale,
-            int(layers[0].qkv_proj.weight.dtype == torch.bfloat16), 0, model.rope.cos.data_ptr(),
+            int(layers[0].qkv_proj.weight.dtype == torch.bfloat16), 0,
+            int(layers[0].qkv_proj.layout == "packed"), model.rope.cos.data_ptr(),
             model.rope.sin.data_ptr(), model.norm.weight.data_ptr(), self._layers)
         fn = self._fn = kernels.lib.tandem_decode_stack
         fn.restype = ctypes.c_int
@@ -88,10 +90,10 @@ class DecodeStack:
                 or model.rope is None or model.rope.cos.dtype != torch.float32:
             return None
         linears = [getattr(lay, name) for lay in model.layers for name in _PROJECTIONS]
-        if not linears or not all(isinstance(lin, CpuLinear) and lin.gemv_rows > 0 for lin in linears):
+        if not linears or not all(isinstance(lin, CpuLinear) and lin.native_rows > 0 for lin in linears):
             return None
-        dtypes = {lin.weight.dtype for lin in linears}
-        if len(dtypes) != 1 or any(lay.q_norm is not None for lay in model.layers):
+        kinds = {(lin.weight.dtype, lin.layout) for lin in linears}
+        if len(kinds) != 1 or any(lay.q_norm is not None for lay in model.layers):
             return None
         norms = [model.norm.eps, *(n.eps for lay in model.layers
                                    for n in (lay.input_layernorm, lay.post_attention_layernorm))]
@@ -135,7 +137,8 @@ class DecodeStack:
                       g.last_pos.data_ptr(), g.block_table.data_ptr(), g.block_table.shape[1],
                       kv_cache.data_ptr(), kv_cache.shape[2], head_splits(rows, kv_heads))
         if rc == -2:
-            raise ValueError(f"the decode stack takes 1..{self.max_rows} rows, not {rows}")
+            raise ValueError(f"the decode stack takes 1..{self.max_rows} rows on these weights, "
+                             f"not {rows}")
         if rc != 0:
             raise MemoryError("the decode stack could not allocate its scratch buffers")
         return out

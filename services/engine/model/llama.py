@@ -90,19 +90,19 @@ class LlamaModel(nn.Module):
         """The residual stream's dtype (the norms'; fp32 on CPU whatever the weights')."""
         return self.norm.weight.dtype
 
-    def use_onednn(self, weight_dtype: torch.dtype = torch.float32, gemv: bool = True,
-                   blocked: bool = True) -> None:
+    def use_onednn(self, weight_dtype: torch.dtype = torch.float32, native: bool = True,
+                   layout: str = "blocked") -> None:
         """CPU: every projection and the LM head as a ``CpuLinear`` with ``weight_dtype`` (fp32
-        or bf16) weights, each stored once: oneDNN on weights in its blocked layout; on
-        plain ones oneDNN, or the native GEMV for decode-sized inputs (see onednn.py).
-        The embedding table takes ``weight_dtype`` too (rows are widened on lookup) and a
-        tied head shares it, plain. ``gemv=False``: oneDNN for every input (no native
-        kernel); ``blocked=False``: weights plain too."""
-        onednn.replace_linears(self, weight_dtype, gemv, blocked)
+        or bf16) weights, each stored once in ``layout`` (see onednn.py): packed for the
+        native kernel; blocked for oneDNN; plain for oneDNN and the native GEMV for
+        decode-sized inputs. The embedding table takes ``weight_dtype`` too (rows are
+        widened on lookup) and a tied head shares it, plain. ``native=False``: no native
+        kernel (oneDNN for every input)."""
+        onednn.replace_linears(self, weight_dtype, native, layout)
         table = self.embed_tokens.weight
         table.data = table.data.to(weight_dtype)
         if self.lm_head is None:
-            self.lm_head = onednn.CpuLinear(table, None, weight_dtype, gemv, blocked, shared=True)
+            self.lm_head = onednn.CpuLinear(table, None, weight_dtype, native, layout, shared=True)
 
     def use_int8(self) -> int:
         """Weight-only int8 (per output channel) projections and LM head; returns how many."""

@@ -50,7 +50,7 @@ def fp32_activations(dtype: torch.dtype, device: torch.device, use_onednn: bool,
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
                max_positions: int, use_onednn: bool = True,
                use_cpu_kernels: bool = True, quantization: str | None = None,
-               weight_layout: str = "blocked") -> LlamaModel:
+               weight_layout: str = "packed") -> LlamaModel:
     """Build the model on ``device`` with ``dtype`` weights and fill it from ``*.safetensors``.
 
     On CPU the activations stay fp32 where ``fp32_activations`` says so (weights for oneDNN
@@ -108,7 +108,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
     if quantization == "int8":
         model.use_int8()
     elif mixed and use_onednn and onednn.available(device):
-        model.use_onednn(dtype, gemv=use_cpu_kernels, blocked=weight_layout == "blocked")
+        model.use_onednn(dtype, native=use_cpu_kernels, layout=weight_layout)
     if mixed and dtype != torch.float32:  # the lookup table too (rows widened on lookup)
         model.embed_tokens.weight.data = model.embed_tokens.weight.data.to(dtype)
     if use_cpu_kernels:

@@ -93,7 +93,7 @@ class DraftModelProposer:
     def __init__(self, path: str, target: ModelConfig, kv: KVCacheManager, num_blocks: int,
                  dtype: torch.dtype, device: torch.device, max_model_len: int,
                  use_onednn: bool = True, use_cpu_kernels: bool = True,
-                 prefill_chunk: int = 64, max_draft: int = 8, weight_layout: str = "blocked") -> None:
+                 prefill_chunk: int = 64, max_draft: int = 8, weight_layout: str = "packed") -> None:
         mc = ModelConfig.from_dir(path)
         if mc.vocab_size != target.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({mc.vocab_size} tokens) differs "

@@ -1,15 +1,15 @@
-/* A decode step of a few rows through every decoder layer in one call.
+/* A decode step through every decoder layer in one call.
  *
- * At batch 1-16 a step's products are GEMVs bound by reading the weights; between them
+ * At small batches a step's products are bound by reading the weights; between them
  * a Python forward spends ~0.4 ms a layer dispatching small ops (SmolLM2-135M: ~14 ms
- * of a 39 ms step on two threads). This chains the same kernels the Python path calls,
+ * of a 39 ms step on two threads, whatever the batch). This chains the same kernels the Python path calls,
  * in the same order and with the same roundings, so every output bit is the same:
  *
  *   per layer: x += delta; h = RMSNorm(x)            (tandem_add_rms_norm_f32)
- *              qkv = h @ Wqkv.T + b                  (tandem_gemv_*)
+ *              qkv = h @ Wqkv.T + b                  (tandem_packed_linear_f32 or tandem_gemv_*)
  *              RoPE on q, k; k, v into the cache     (tandem_rope_f32; a copy, or bf16 RNE)
  *              a = paged attention of q              (tandem_paged_decode_*)
- *              x += a @ Wo.T + b; h = RMSNorm(x)     (tandem_gemv_*, tandem_add_rms_norm_f32)
+ *              x += a @ Wo.T + b; h = RMSNorm(x)     (the same product, tandem_add_rms_norm_f32)
  *              delta = silu·mul(h @ Wgu.T + b) @ Wd.T + b
  *   then       x += delta; out = RMSNorm(x)
  *
@@ -22,7 +22,8 @@
  *   token_rows, last_pos [M] int64, block_table [M, table_stride] int64: the decode group
  *   kv        [layers, 2, num_blocks, block_size, KVH, D] fp32 or bf16 contiguous
  * Returns 0; -1 when a scratch buffer cannot be allocated (nothing written then, or the
- * step's KV partly), -2 when M is out of range (nothing done).
+ * step's KV partly), -2 when M is out of range (nothing done): 1 .. TANDEM_GEMV_MAX_ROWS
+ * on plain weights, any M >= 1 on packed ones.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -32,7 +33,8 @@
 #include "kv_load.h"
 
 /* One decoder layer's parameters: plain weights [out, in] (fp32, or bf16 with
- * weight_bf16), fp32 biases or NULL. */
+ * weight_bf16) or packed ones (fp32, weight_packed: see packed_linear.c), fp32 biases
+ * or NULL. */
 typedef struct {
     const float *input_norm, *post_norm;
     const void *qkv, *o, *gate_up, *down;
@@ -42,7 +44,7 @@ typedef struct {
 typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, inter, block_size, window;
     float eps, scale;
-    int32_t weight_bf16, kv_bf16;
+    int32_t weight_bf16, kv_bf16, weight_packed;
     const float *cos, *sin; /* [positions, D] */
     const float *final_norm;
     const tandem_layer *layers;
@@ -54,9 +56,13 @@ static inline float round_trip_bf16(float f) {
 }
 
 /* y [m, n] = x [m, k] @ w.T + bias, rounded as CpuLinear rounds it; tmp holds m * k.
- * m is in the GEMV's range (checked on entry), so the GEMV cannot refuse it. */
+ * On plain weights m is in the GEMV's range (checked on entry), so it cannot refuse it. */
 static void linear(const tandem_stack *s, const float *x, int64_t m, int64_t k, const void *w,
                    const float *bias, float *y, int64_t n, float *tmp) {
+    if (s->weight_packed) {
+        tandem_packed_linear_f32(x, (const float *)w, bias, y, m, n, k);
+        return;
+    }
     if (!s->weight_bf16) {
         tandem_gemv_f32(x, (const float *)w, bias, y, m, n, k);
         return;
@@ -82,7 +88,7 @@ int tandem_decode_stack(const tandem_stack *s, float *x, float *out, int64_t m,
                         const int64_t *token_rows, const int64_t *last_pos,
                         const int64_t *block_table, int64_t table_stride, void *kv,
                         int64_t num_blocks, int64_t head_splits) {
-    if (m < 1 || m > TANDEM_GEMV_MAX_ROWS) return -2;
+    if (m < 1 || (!s->weight_packed && m > TANDEM_GEMV_MAX_ROWS)) return -2;
     const int64_t hidden = s->hidden, d = s->head_dim;
     const int64_t q_size = s->heads * d, kv_size = s->kv_heads * d;
     const int64_t qkv_width = q_size + 2 * kv_size, inter = s->inter;

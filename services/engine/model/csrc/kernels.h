@@ -5,6 +5,7 @@
 #include <stdint.h>
 
 #define TANDEM_GEMV_MAX_ROWS 16 /* input rows the GEMV (and so the decode stack) takes */
+#define TANDEM_PACK_WIDTH 32    /* output channels per panel of a packed weight */
 
 /* fused_ops.c */
 void tandem_add_rms_norm_f32(float *x, const float *delta, float *out, const float *w,
@@ -20,6 +21,11 @@ int tandem_gemv_f32(const float *x, const float *w, const float *bias, float *y,
                     int64_t n_out, int64_t k_in);
 int tandem_gemv_bf16(const float *x, const uint16_t *w, const float *bias, float *y,
                      int64_t m_rows, int64_t n_out, int64_t k_in);
+
+/* packed_linear.c */
+void tandem_pack_linear_f32(const float *w, float *packed, int64_t n_out, int64_t k_in);
+void tandem_packed_linear_f32(const float *x, const float *packed, const float *bias, float *y,
+                              int64_t m_rows, int64_t n_out, int64_t k_in);
 
 /* paged_decode.c */
 int tandem_paged_decode_f32(const float *q, int64_t q_stride, float *out, const int64_t *rows,

@@ -1,0 +1,114 @@
+/* fp32 linear on a packed weight, for every row count: y = x @ W.T + bias.
+ *
+ * The weight is packed once into panels of NR = 32 output channels, K-major: panel j
+ * holds W[j*32 .. j*32+31][k] for k = 0 .. K-1 as K runs of 32 contiguous floats (the
+ * last panel zero-padded). A micro-kernel multiplies up to MR = 14 input rows by one
+ * panel with 28 vector accumulators: per k two loads of the panel, one broadcast per
+ * row. Rows are taken MC at a time (their inputs stay in L2) against every panel of
+ * the thread's share (a panel stays in L2 across the block's micro-tiles), so:
+ *   - a decode step of a few rows streams each panel from memory once, front to back;
+ *   - a prompt of many rows runs at the core's FMA rate, like oneDNN's blocked layout.
+ * Threads take contiguous runs of panels.
+ *
+ * Each output is one accumulator's FMA chain over k = 0 .. K-1, then + bias: the same
+ * sum in the same order whatever M is and whichever tile a row falls in, so a row's
+ * result does not depend on the rest of its batch.
+ *
+ *   w      [N, K] fp32 contiguous        packed [ceil(N / 32), K, 32]
+ *   x      [M, K] fp32 contiguous        bias [N] fp32 or NULL        y [M, N] fp32
+ */
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kernels.h"
+#include "team.h"
+
+#define NR TANDEM_PACK_WIDTH /* output channels per panel */
+#define MR 14                /* input rows per micro-tile */
+#define MC (12 * MR)         /* input rows per block */
+
+void tandem_pack_linear_f32(const float *w, float *packed, int64_t n_out, int64_t k_in) {
+    const int64_t panels = (n_out + NR - 1) / NR;
+#pragma omp parallel for num_threads(tandem_team(panels))
+    for (int64_t j = 0; j < panels; ++j)
+        for (int64_t k = 0; k < k_in; ++k)
+            for (int64_t c = 0; c < NR; ++c) {
+                const int64_t n = j * NR + c;
+                packed[(j * k_in + k) * NR + c] = n < n_out ? w[n * k_in + k] : 0.f;
+            }
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* y[r][0 .. cols) = x[r] . panel (+ bias) for R rows; ``cols`` <= 32 via the masks. */
+static inline __attribute__((always_inline)) void tile(
+        const float *x, int64_t k_in, const float *panel, const float *bias, float *y,
+        int64_t n_out, __mmask16 lo, __mmask16 hi, const int R) {
+    __m512 acc[MR][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < k_in; ++k) {
+        const float *b = panel + k * NR;
+        const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16);
+        _mm_prefetch((const char *)(b + 8 * NR), _MM_HINT_T0);
+        _mm_prefetch((const char *)(b + 8 * NR + 16), _MM_HINT_T0);
+        for (int r = 0; r < R; ++r) {
+            const __m512 a = _mm512_set1_ps(x[r * k_in + k]);
+            acc[r][0] = _mm512_fmadd_ps(a, b0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(a, b1, acc[r][1]);
+        }
+    }
+    const __m512 bias0 = bias ? _mm512_maskz_loadu_ps(lo, bias) : _mm512_setzero_ps();
+    const __m512 bias1 = bias ? _mm512_maskz_loadu_ps(hi, bias + 16) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+        _mm512_mask_storeu_ps(y + r * n_out, lo, bias ? _mm512_add_ps(acc[r][0], bias0) : acc[r][0]);
+        _mm512_mask_storeu_ps(y + r * n_out + 16, hi, bias ? _mm512_add_ps(acc[r][1], bias1) : acc[r][1]);
+    }
+}
+
+static void tile_rows(const float *x, int64_t k_in, const float *panel, const float *bias,
+                      float *y, int64_t n_out, int64_t cols, int rows) {
+    const __mmask16 lo = cols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1u);
+    const __mmask16 hi = cols >= 32 ? (__mmask16)0xFFFF
+                         : cols <= 16 ? (__mmask16)0 : (__mmask16)((1u << (cols - 16)) - 1u);
+    switch (rows) {
+#define TILE(R) case R: tile(x, k_in, panel, bias, y, n_out, lo, hi, R); break;
+        TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6) TILE(7)
+        TILE(8) TILE(9) TILE(10) TILE(11) TILE(12) TILE(13) default: TILE(14)
+#undef TILE
+    }
+}
+
+#else /* portable: the same sums in the same order; the compiler vectorizes over lanes */
+
+static void tile_rows(const float *x, int64_t k_in, const float *panel, const float *bias,
+                      float *y, int64_t n_out, int64_t cols, int rows) {
+    for (int r = 0; r < rows; ++r) {
+        float acc[NR] = {0.f};
+        for (int64_t k = 0; k < k_in; ++k) {
+            const float a = x[r * k_in + k];
+            for (int c = 0; c < NR; ++c) acc[c] += a * panel[k * NR + c];
+        }
+        for (int64_t c = 0; c < cols; ++c) y[r * n_out + c] = acc[c] + (bias ? bias[c] : 0.f);
+    }
+}
+#endif
+
+void tandem_packed_linear_f32(const float *x, const float *packed, const float *bias, float *y,
+                              int64_t m_rows, int64_t n_out, int64_t k_in) {
+    const int64_t panels = (n_out + NR - 1) / NR;
+#pragma omp parallel num_threads(tandem_team(panels))
+    {
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t j0 = panels * t / nt, j1 = panels * (t + 1) / nt;
+        for (int64_t i0 = 0; i0 < m_rows; i0 += MC) {
+            const int64_t i1 = i0 + MC < m_rows ? i0 + MC : m_rows;
+            for (int64_t j = j0; j < j1; ++j) {
+                const int64_t n = j * NR, cols = n_out - n < NR ? n_out - n : NR;
+                for (int64_t i = i0; i < i1; i += MR)
+                    tile_rows(x + i * k_in, k_in, packed + j * k_in * NR, bias ? bias + n : NULL,
+                              y + i * n_out + n, n_out, cols, (int)(i1 - i < MR ? i1 - i : MR));
+            }
+        }
+    }
+}

@@ -1,0 +1,70 @@
+"""fp32 linears on the native packed layout (``csrc/packed_linear.c``).
+
+A weight ``[N, K]`` is packed once into panels of 32 output channels, K-major:
+``[ceil(N / 32), K, 32]`` (the last panel zero-padded). One kernel then runs every row
+count: a decode step of a few rows streams each panel from memory once, and a prompt
+of many rows runs at the FMA rate (on par with oneDNN's blocked layout). Each output is
+the same FMA chain over k whatever the batch, so a row's result does not depend on its
+batch. Unlike oneDNN's blocked layout, C can read it, so the decode stack runs on it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+
+import torch
+
+from services.engine.model import cpu_kernels
+from services.engine.model.cpu_kernels import CpuKernels
+
+PANEL = 32  # TANDEM_PACK_WIDTH in csrc/kernels.h
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+class PackedKernels:
+    """The packing and product entries of the loaded kernel library."""
+
+    def __init__(self, kernels: CpuKernels) -> None:
+        self._pack = kernels.lib.tandem_pack_linear_f32
+        self._pack.restype = None
+        self._pack.argtypes = [_ptr, _ptr, _i64, _i64]
+        self._linear = kernels.lib.tandem_packed_linear_f32
+        self._linear.restype = None
+        self._linear.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight [N, K]`` fp32 -> its packed copy ``[ceil(N / 32), K, 32]``."""
+        if weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu":
+            raise ValueError("the packed layout takes fp32 CPU weights [N, K]")
+        weight = weight.contiguous()
+        n, k = weight.shape
+        packed = torch.empty((n + PANEL - 1) // PANEL, k, PANEL)
+        self._pack(weight.data_ptr(), packed.data_ptr(), n, k)
+        return packed
+
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+               n_out: int) -> torch.Tensor:
+        """``x [M, K] @ W.T + bias`` -> ``[M, n_out]`` fp32, with ``packed`` from ``pack(W)``."""
+        for t in (x, packed, *(() if bias is None else (bias,))):
+            if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+                raise ValueError("packed linears need contiguous fp32 CPU tensors")
+        if x.dim() != 2 or packed.dim() != 3 or packed.shape[1] != x.shape[1] \
+                or packed.shape[2] != PANEL or not 0 < n_out <= packed.shape[0] * PANEL \
+                or n_out <= (packed.shape[0] - 1) * PANEL \
+                or (bias is not None and bias.shape != (n_out,)):
+            raise ValueError(f"packed linear: x {tuple(x.shape)}, packed {tuple(packed.shape)}, "
+                             f"{n_out} outputs do not fit")
+        out = x.new_empty(x.shape[0], n_out)
+        if x.shape[0]:
+            self._linear(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                         out.data_ptr(), x.shape[0], n_out, x.shape[1])
+        return out
+
+
+@cache
+def load() -> PackedKernels | None:
+    """The packed kernels, or None where the native library cannot be built."""
+    kernels = cpu_kernels.load()
+    return None if kernels is None else PackedKernels(kernels)

@@ -1,0 +1,95 @@
+"""The packed fp32 linear (csrc/packed_linear.c): the product of the plain weight for
+every row count and shape edge, each row's result independent of its batch, on the
+AVX-512 build and on the portable one."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from services.engine.model import cpu_features, kernel_build, packed_linear
+
+pytestmark = pytest.mark.skipif(packed_linear.load() is None, reason="no C compiler on this machine")
+
+SHAPES = [(1, 1), (31, 17), (32, 64), (33, 5), (100, 576)]  # (N, K): panels full, partial, one
+ROWS = [1, 2, 13, 14, 15, 29, 168, 200]  # micro-tiles of 14 rows, blocks of 168
+
+
+def _case(n: int, k: int, bias: bool, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    return w, b, gen
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_it_computes_the_plain_product_for_every_row_count(n, k, bias):
+    kernels = packed_linear.load()
+    w, b, gen = _case(n, k, bias)
+    packed = kernels.pack(w)
+    assert packed.shape == ((n + 31) // 32, k, 32)
+    assert torch.equal(packed.permute(0, 2, 1).reshape(-1, k)[:n], w)  # panels of 32 rows, K-major
+    assert not packed.permute(0, 2, 1).reshape(-1, k)[n:].any()  # the last panel zero-padded
+    for rows in ROWS:
+        x = torch.randn(rows, k, generator=gen)
+        want = x @ w.T + (0 if b is None else b)
+        torch.testing.assert_close(kernels.linear(x, packed, b, n), want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_row_comes_out_bit_identical_alone_and_in_any_batch():
+    kernels = packed_linear.load()
+    w, b, gen = _case(100, 576, bias=True)
+    packed = kernels.pack(w)
+    x = torch.randn(200, 576, generator=gen)
+    batch = kernels.linear(x, packed, b, 100)
+    for i in (0, 13, 14, 167, 168, 199):  # first/last of a micro-tile and of a block
+        assert torch.equal(kernels.linear(x[i:i + 1].contiguous(), packed, b, 100)[0], batch[i])
+    assert torch.equal(kernels.linear(x[20:50].contiguous(), packed, b, 100), batch[20:50])
+
+
+def test_it_refuses_what_does_not_fit():
+    kernels = packed_linear.load()
+    w, b, gen = _case(40, 16, bias=True)
+    packed = kernels.pack(w)
+    x = torch.randn(3, 16, generator=gen)
+    assert kernels.linear(x[:0], packed, b, 40).shape == (0, 40)
+    with pytest.raises(ValueError, match="do not fit"):
+        kernels.linear(torch.randn(3, 15), packed, b, 40)  # K differs
+    with pytest.raises(ValueError, match="do not fit"):
+        kernels.linear(x, packed, b, 65)  # more outputs than the panels hold
+    with pytest.raises(ValueError, match="do not fit"):
+        kernels.linear(x, packed, b, 32)  # a whole panel unused
+    with pytest.raises(ValueError, match="do not fit"):
+        kernels.linear(x, packed, b[:39], 40)
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        kernels.linear(x.double(), packed, b, 40)
+    with pytest.raises(ValueError, match="fp32 CPU weights"):
+        kernels.pack(w.bfloat16())
+
+
+@pytest.mark.skipif("avx512f" not in cpu_features.cpu_flags(), reason="no AVX-512: only one build")
+def test_the_portable_build_computes_the_same(tmp_path):
+    """Built without AVX-512 (the loop a CPU without it runs): the same products, and rows
+    still independent of their batch."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    lib_path = tmp_path / "portable.so"
+    flags = [f for f in kernel_build.FLAGS if f != "-march=native"] + ["-march=x86-64-v3"]
+    subprocess.run([compiler, *flags, "-o", str(lib_path), str(kernel_build.CSRC / "packed_linear.c")],
+                   check=True, capture_output=True, timeout=120)
+
+    class Lib:  # what PackedKernels binds from the library
+        lib = ctypes.CDLL(str(lib_path))
+    portable = packed_linear.PackedKernels(Lib())  # type: ignore[arg-type]
+    native = packed_linear.load()
+    w, b, gen = _case(33, 70, bias=True)
+    packed = native.pack(w)
+    assert torch.equal(portable.pack(w), packed)
+    x = torch.randn(30, 70, generator=gen)
+    batch = portable.linear(x, packed, b, 33)
+    torch.testing.assert_close(batch, native.linear(x, packed, b, 33), atol=1e-5, rtol=1e-5)
+    assert torch.equal(portable.linear(x[7:8].contiguous(), packed, b, 33)[0], batch[7])
