@@ -26,6 +26,7 @@
 #define NR TANDEM_PACK_WIDTH /* output channels per panel */
 #define MR 14                /* input rows per micro-tile */
 #define MC (12 * MR)         /* input rows per block */
+#define PREFETCH_K 16        /* k steps ahead (2 KB of the panel): a decode step streams it */
 
 void tandem_pack_linear_f32(const float *w, float *packed, int64_t n_out, int64_t k_in) {
     const int64_t panels = (n_out + NR - 1) / NR;
@@ -50,8 +51,8 @@ static inline __attribute__((always_inline)) void tile(
     for (int64_t k = 0; k < k_in; ++k) {
         const float *b = panel + k * NR;
         const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16);
-        _mm_prefetch((const char *)(b + 8 * NR), _MM_HINT_T0);
-        _mm_prefetch((const char *)(b + 8 * NR + 16), _MM_HINT_T0);
+        _mm_prefetch((const char *)(b + PREFETCH_K * NR), _MM_HINT_T0);
+        _mm_prefetch((const char *)(b + PREFETCH_K * NR + 16), _MM_HINT_T0);
         for (int r = 0; r < R; ++r) {
             const __m512 a = _mm512_set1_ps(x[r * k_in + k]);
             acc[r][0] = _mm512_fmadd_ps(a, b0, acc[r][0]);
