@@ -150,13 +150,16 @@ class Cluster:
         raise RuntimeError(f"the actor name of {worker_id} stays taken")
 
     def engine_config(self, worker_id: str) -> EngineConfig:
-        """The engine ``worker_id`` runs: the cluster's, with the decode pool's weight layout
-        on a decode worker of a disaggregated or conditional cluster where one is set
-        (colocated workers prefill every prompt: they keep the cluster's)."""
-        layout = self.config.decode_weight_layout
-        if worker_id.startswith("decode-") and layout is not None and self.config.mode != "colocated":
-            return dataclasses.replace(self._engine, cpu_weight_layout=layout)
-        return self._engine
+        """The engine ``worker_id`` runs: the cluster's, with its pool's weight layout in a
+        disaggregated or conditional cluster (colocated workers run both phases: they keep
+        the cluster's)."""
+        if self.config.mode == "colocated":
+            return self._engine
+        layout = self.config.prefill_weight_layout if worker_id.startswith("prefill-") \
+            else self.config.decode_weight_layout
+        if layout is None or layout == self._engine.cpu_weight_layout:
+            return self._engine
+        return dataclasses.replace(self._engine, cpu_weight_layout=layout)
 
     def _locate(self, workers: list, timeout_s: float) -> None:
         """Record (and report) the Ray node each of ``workers`` runs on."""

@@ -224,8 +224,9 @@ class EngineConfig:
         "help": "CPU fp32: oneDNN matmuls (faster; rounding differs from MKL's)"})
     cpu_weight_layout: str = field(default="packed", metadata={
         "choices": CPU_WEIGHT_LAYOUTS,
-        "help": "CPU weights: packed (fp32: one native kernel for every step, decode steps "
-                "through all layers in one native call; bf16 weights take blocked), blocked "
+        "help": "CPU weights (the offline engine, colocated workers, the decode pool by "
+                "default): packed (fp32 on AVX-512: one native kernel for every step, decode "
+                "steps through all layers in one native call; else blocked), blocked "
                 "(oneDNN's layout) or plain (oneDNN, and the native GEMV for decode steps of up "
                 "to 16 rows in fp32, 2 in bf16)"})
     cpu_kernels: bool = field(default=True, metadata={
@@ -286,7 +287,12 @@ class ClusterConfig:
     decode_burst_threads: int = field(default=0, metadata={
         "help": "disaggregated on CPU: decode workers run this many torch threads while no "
                 "prefill is pending for them, threads-per-worker otherwise (0: off)"})
-    # The decode pool's steps are decode rows only; the prefill pool's are prompts.
+    # Each pool's steps are one phase: prompts run fastest on oneDNN's blocked layout,
+    # decode steps on the packed one (--cpu-weight-layout's default).
+    prefill_weight_layout: str = field(default="blocked", metadata={
+        "choices": CPU_WEIGHT_LAYOUTS,
+        "help": "CPU, disaggregated or conditional: the prefill pool's weight layout (default: "
+                "blocked, the faster for prompts)"})
     decode_weight_layout: str | None = field(default=None, metadata={
         "choices": CPU_WEIGHT_LAYOUTS,
         "help": "CPU, disaggregated or conditional: the decode pool's weight layout (default: "
@@ -346,9 +352,11 @@ class ClusterConfig:
             raise ValueError(f"threads_per_worker must be >= 1, got {self.threads_per_worker}")
         if self.decode_burst_threads < 0:
             raise ValueError(f"decode_burst_threads must be >= 0, got {self.decode_burst_threads}")
-        if self.decode_weight_layout not in (None, *CPU_WEIGHT_LAYOUTS):
-            raise ValueError(f"decode_weight_layout must be one of {', '.join(CPU_WEIGHT_LAYOUTS)}, "
-                             f"got {self.decode_weight_layout!r}")
+        for name, allowed in (("prefill_weight_layout", CPU_WEIGHT_LAYOUTS),
+                              ("decode_weight_layout", (None, *CPU_WEIGHT_LAYOUTS))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(CPU_WEIGHT_LAYOUTS)}, "
+                                 f"got {getattr(self, name)!r}")
         self._check_placement()
 
     def _check_placement(self) -> None:

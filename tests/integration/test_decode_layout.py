@@ -1,7 +1,7 @@
-"""A decode pool on its own weight layout (--decode-weight-layout plain) in a real
-disaggregated cluster: the prefill worker keeps the cluster's (packed) weights, the
-decode worker runs its steps on the plain ones (the native decode stack over the GEMV),
-and every output is still the offline engine's."""
+"""Each pool on its own weight layout in a real disaggregated cluster: the prefill worker
+on oneDNN's blocked weights (the faster for prompts, its default), the decode worker on
+packed ones (the default) or plain ones (--decode-weight-layout plain), both running
+their steps through the native decode stack; every output is still the offline engine's."""
 
 from __future__ import annotations
 
@@ -23,17 +23,18 @@ def _layouts(actor) -> tuple[set[str], bool]:
     return ray.get(actor.__ray_call__.remote(probe), timeout=60)
 
 
-@pytest.mark.parametrize("mode", ["disaggregated", "conditional"])
-def test_the_decode_pool_runs_plain_weights_with_the_same_outputs(ray_session, checkpoint, prompts,  # noqa: F811
-                                                                   reference, mode):  # noqa: F811
-    # conditional: the shorter prompts prefill on the decode worker, on its plain weights
+@pytest.mark.parametrize("mode,decode_layout", [("disaggregated", None), ("disaggregated", "plain"),
+                                                ("conditional", "plain")])
+def test_each_pool_runs_its_own_layout_with_the_same_outputs(ray_session, checkpoint, prompts,  # noqa: F811
+                                                             reference, mode, decode_layout):  # noqa: F811
+    # conditional: the shorter prompts prefill on the decode worker, on its own weights
     cluster = Cluster(_config(checkpoint, mode=mode, prefill_workers=1, decode_workers=1,
-                              decode_weight_layout="plain")).start()
+                              decode_weight_layout=decode_layout)).start()
     try:
-        assert _layouts(cluster.prefill[0].actor) == ({"packed"}, True)
-        assert _layouts(cluster.decode[0].actor) == ({"plain"}, True)
-        assert cluster.engine_config("decode-0").cpu_weight_layout == "plain"
-        assert cluster.engine_config("prefill-0").cpu_weight_layout == "packed"
+        assert _layouts(cluster.prefill[0].actor) == ({"blocked"}, False)
+        assert _layouts(cluster.decode[0].actor) == ({decode_layout or "packed"}, True)
+        assert cluster.engine_config("decode-0").cpu_weight_layout == (decode_layout or "packed")
+        assert cluster.engine_config("prefill-0").cpu_weight_layout == "blocked"
         assert run_all(cluster, prompts) == reference
         wait_all_free(cluster)
     finally:
@@ -42,7 +43,7 @@ def test_the_decode_pool_runs_plain_weights_with_the_same_outputs(ray_session, c
 
 def test_colocated_workers_keep_the_clusters_layout(ray_session, checkpoint, prompts, reference):  # noqa: F811
     cluster = Cluster(_config(checkpoint, mode="colocated", prefill_workers=0, decode_workers=1,
-                              decode_weight_layout="plain")).start()
+                              prefill_weight_layout="plain", decode_weight_layout="plain")).start()
     try:
         assert _layouts(cluster.decode[0].actor) == ({"packed"}, True)  # it prefills every prompt
         assert run_all(cluster, prompts) == reference

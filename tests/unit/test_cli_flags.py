@@ -54,6 +54,7 @@ def test_special_values():
     (["--prefill-resource", "gpu"], "a resource is NAME=AMOUNT"),
     (["--block-size", "big"], "invalid int value"),
     (["--decode-weight-layout", "dense"], "invalid choice: 'dense'"),
+    (["--prefill-weight-layout", "dense"], "invalid choice: 'dense'"),
 ])
 def test_bad_values_are_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -116,4 +117,8 @@ def test_configs_validate_choices():
     with pytest.raises(ValueError, match="decode_weight_layout must be one of packed, blocked, plain"):
         ClusterConfig(decode_weight_layout="dense")
     assert build_config(_serve("--decode-weight-layout", "plain")).decode_weight_layout == "plain"
+    with pytest.raises(ValueError, match="prefill_weight_layout must be one of packed, blocked, plain"):
+        ClusterConfig(prefill_weight_layout=None)
+    assert ClusterConfig().prefill_weight_layout == "blocked"
+    assert build_config(_serve("--prefill-weight-layout", "packed")).prefill_weight_layout == "packed"
     assert dataclasses.replace(ClusterConfig(), mode="colocated", prefill_workers=0).mode is ClusterMode.COLOCATED

@@ -8,7 +8,8 @@ Each weight is stored once, in one of three layouts (``--cpu-weight-layout``):
   prompts (within the noise at 256-1,024 rows) and beats it on decode steps (engine
   steps at batch 1 / 16 / 32: 24.5-25.2 / 51-70 / 76-103 ms against 35-44 / 70-85 /
   93-100), and C can read it, so a decode step of any batch runs all its layers in one
-  native call (``decode_stack.py``). bf16 weights asked to be packed take blocked.
+  native call (``decode_stack.py``). bf16 weights asked to be packed take blocked,
+  and so do all weights on CPUs without AVX-512 or without the native kernels.
 - **blocked**: oneDNN's ``_linear_pointwise`` on a weight reordered once into its blocked
   layout (``_reorder_linear_weight``, an opaque tensor): in bf16 it runs on AMX tiles.
 - **plain**: ``[out, in]`` as loaded; oneDNN, and the native GEMV (``cpu_kernels.gemv``,
@@ -114,8 +115,9 @@ class CpuLinear(nn.Module):
 
 def storage_layout(layout: str, dtype: torch.dtype, packable: bool) -> str:
     """The layout a weight of ``dtype`` is stored in when ``layout`` (blocked | plain |
-    packed) is asked for: packed is fp32 only and needs the native kernels
-    (``packable``); otherwise it falls back to blocked (bf16 weights: oneDNN on AMX)."""
+    packed) is asked for: packed is fp32 only and needs the native kernel on a CPU with
+    AVX-512 (``packable``: ``packed_linear.load()``); otherwise it falls back to blocked
+    (bf16 weights: oneDNN on AMX)."""
     if layout not in LAYOUTS:
         raise ValueError(f"CPU weight layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
     if layout == "packed" and not (dtype == torch.float32 and packable):

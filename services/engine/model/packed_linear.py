@@ -15,7 +15,7 @@ from functools import cache
 
 import torch
 
-from services.engine.model import cpu_kernels
+from services.engine.model import cpu_features, cpu_kernels
 from services.engine.model.cpu_kernels import CpuKernels
 
 PANEL = 32  # TANDEM_PACK_WIDTH in csrc/kernels.h
@@ -65,6 +65,10 @@ class PackedKernels:
 
 @cache
 def load() -> PackedKernels | None:
-    """The packed kernels, or None where the native library cannot be built."""
+    """The packed kernels where they are fast: a CPU with AVX-512 (the portable loop is
+    far slower than oneDNN on prompts, so layers keep oneDNN elsewhere) and a native
+    library that builds; else None."""
+    if "avx512f" not in cpu_features.cpu_flags():
+        return None
     kernels = cpu_kernels.load()
     return None if kernels is None else PackedKernels(kernels)
