@@ -136,17 +136,19 @@ def test_a_full_transfer_is_ordered_by_events_from_compute_to_decode(workers, ti
 
     n_groups = len(desc.layer_groups)
     assert n_groups > 1
-    cursor = 0
+    # computes follow one another on the engine thread and sends on the sender's, which
+    # may trail: the next layer's compute can come before this group's send
+    compute_from = send_from = 0
     for g, group in enumerate(desc.layer_groups):
         last = group.layers.stop - 1
         # compute of the group's last layer -> event on the compute stream -> the pair's
         # stream waits for it -> the group's header and payload go out on that stream
-        c = _at(log, ("compute", "P:compute", last), cursor)
+        c = _at(log, ("compute", "P:compute", last), compute_from)
         rec = log[_at(log, ("record", "P:compute"), c)]  # only the engine thread records here
         assert not any(e[:2] == ("compute", "P:compute") for e in log[c + 1:log.index(rec)])
         w = _at(log, ("wait", "P:kv-0-1", rec[2]), c)
-        s = _at(log, ("send", "P:kv-0-1", "header", "ord-1#t", g), w)
-        cursor = s
+        s = _at(log, ("send", "P:kv-0-1", "header", "ord-1#t", g), max(w, send_from))
+        compute_from, send_from = c + 1, s + 1
     # the transfer's completion event is recorded after the last send, and the blocks
     # are freed only after the fake device completed it
     last_send = max(i for i, e in enumerate(log) if e[:2] == ("send", "P:kv-0-1"))
