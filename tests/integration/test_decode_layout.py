@@ -23,18 +23,25 @@ def _layouts(actor) -> tuple[set[str], bool]:
     return ray.get(actor.__ray_call__.remote(probe), timeout=60)
 
 
-@pytest.mark.parametrize("mode,decode_layout", [("disaggregated", None), ("disaggregated", "plain"),
-                                                ("conditional", "plain")])
+# (mode, prefill pool's layout, decode pool's): None is the default (blocked, packed)
+@pytest.mark.parametrize("mode,prefill_layout,decode_layout", [
+    ("disaggregated", None, None), ("disaggregated", None, "plain"), ("disaggregated", "packed", None),
+    ("conditional", None, "plain")])
 def test_each_pool_runs_its_own_layout_with_the_same_outputs(ray_session, checkpoint, prompts,  # noqa: F811
-                                                             reference, mode, decode_layout):  # noqa: F811
+                                                             reference, mode, prefill_layout,  # noqa: F811
+                                                             decode_layout):
     # conditional: the shorter prompts prefill on the decode worker, on its own weights
-    cluster = Cluster(_config(checkpoint, mode=mode, prefill_workers=1, decode_workers=1,
-                              decode_weight_layout=decode_layout)).start()
+    pools = {"decode_weight_layout": decode_layout}
+    if prefill_layout is not None:
+        pools["prefill_weight_layout"] = prefill_layout
+    cluster = Cluster(_config(checkpoint, mode=mode, prefill_workers=1, decode_workers=1, **pools)).start()
+    prefill_layout, decode_layout = prefill_layout or "blocked", decode_layout or "packed"
     try:
-        assert _layouts(cluster.prefill[0].actor) == ({"blocked"}, False)
-        assert _layouts(cluster.decode[0].actor) == ({decode_layout or "packed"}, True)
-        assert cluster.engine_config("decode-0").cpu_weight_layout == (decode_layout or "packed")
-        assert cluster.engine_config("prefill-0").cpu_weight_layout == "blocked"
+        # the stack is built wherever the weights allow it (a prefill worker never uses it)
+        assert _layouts(cluster.prefill[0].actor) == ({prefill_layout}, prefill_layout != "blocked")
+        assert _layouts(cluster.decode[0].actor) == ({decode_layout}, True)
+        assert cluster.engine_config("decode-0").cpu_weight_layout == decode_layout
+        assert cluster.engine_config("prefill-0").cpu_weight_layout == prefill_layout
         assert run_all(cluster, prompts) == reference
         wait_all_free(cluster)
     finally:
