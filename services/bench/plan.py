@@ -79,11 +79,14 @@ def quiet_factor(prof: dict[str, Any]) -> float:
     return min(1.0, prof["hardware"]["cores"] / (threads + bg))
 
 
-def models(prof: dict[str, Any], quiet: bool = True) -> tuple[StepModel, TransferModel | None, Engine]:
-    """The fitted step and transfer models and the engine limits of a profile; ``quiet``:
-    step times scaled to a machine without the profile's background load."""
+def models(prof: dict[str, Any], quiet: bool = True,
+           colocated: bool = False) -> tuple[StepModel, TransferModel | None, Engine]:
+    """The fitted step and transfer models and the engine limits of a profile: the pools'
+    steps, or a colocated worker's (on its own weight layout); ``quiet``: step times scaled
+    to a machine without the profile's background load."""
     f, e = prof["fit"], prof["engine"]
-    steps = StepModel(PrefillModel.from_json(f["prefill"]), DecodeModel.from_json(f["decode"]))
+    fits = f["colocated"] if colocated else f
+    steps = StepModel(PrefillModel.from_json(fits["prefill"]), DecodeModel.from_json(fits["decode"]))
     if quiet:
         steps = steps.scaled(quiet_factor(prof))
     transfer = TransferModel.from_json(f["transfer"]) if "transfer" in f else None
@@ -175,7 +178,7 @@ def _requests(args: argparse.Namespace, rate_index: int, rate: float, seed: int)
 def simulate(mix: Mix, args: argparse.Namespace, rates: list[float], slo: SLO, prof: dict[str, Any],
              hw: Hardware) -> dict[str, Any]:
     """One mix over the sweep: a results dict shaped like ``tandem bench serve``'s (no per-request list)."""
-    steps, transfer, engine = models(prof, not args.keep_profile_load)
+    steps, transfer, engine = models(prof, not args.keep_profile_load, mix.colocated)
     runs = []
     work: dict[str, dict[str, float]] = {}  # per worker role, over every run: engine steps, their cost
     for k, rate in enumerate(rates):

@@ -70,6 +70,16 @@ def step_factors(measured: dict[str, tuple[float, float]], simulated: dict[str, 
     return out
 
 
+def server_layout_args(prof: dict[str, Any]) -> list[str]:
+    """`tandem serve` flags that give the served workers the weight layouts their steps were
+    profiled on (none for profiles taken before layouts were recorded)."""
+    layouts = prof["worker"].get("weight_layouts")
+    if not layouts:
+        return []
+    return [f"--cpu-weight-layout={layouts['colocated']}", f"--prefill-weight-layout={layouts['prefill']}",
+            f"--decode-weight-layout={layouts['decode']}"]
+
+
 def error(predicted: float, measured: float) -> float | None:
     """Relative error of a prediction (None when nothing was measured)."""
     return predicted / measured - 1.0 if measured else None
@@ -87,7 +97,6 @@ def validate(args: argparse.Namespace, prof: dict[str, Any], mixes: list[Any], p
 
     signal.signal(signal.SIGTERM, on_sigterm)
     model = prof["model"]["path"]
-    step_model = models(prof, not args.keep_profile_load)[0]
     sweeps = []  # (workload, its args) per simulated sequence: seeds SEED, SEED+1, ...
     for k in range(args.repeats):
         bench_args = argparse.Namespace(**{**vars(args), "tokenizer": args.tokenizer or model, "seed": args.seed + k,
@@ -95,7 +104,8 @@ def validate(args: argparse.Namespace, prof: dict[str, Any], mixes: list[Any], p
         sweeps.append((dataclasses.replace(serve_bench.plan(bench_args), rates=rates), bench_args))
     wl = sweeps[0][0]
     threads = args.threads_per_worker or prof["worker"]["threads_per_worker"]
-    extra = list(args.server_arg) + ([f"--prefill-nice={args.prefill_nice}"] if args.prefill_nice else [])
+    extra = server_layout_args(prof) + list(args.server_arg) + \
+        ([f"--prefill-nice={args.prefill_nice}"] if args.prefill_nice else [])
     measured, loaded, rows = [], [], []
     for mix, pred in zip(mixes, predicted):
         load_before = runinfo.machine()["load_avg_at_start"]
@@ -121,7 +131,8 @@ def validate(args: argparse.Namespace, prof: dict[str, Any], mixes: list[Any], p
                                    frontend_s_per_token=path)
         as_profiled_steps = simulate(mix, args, rates, wl.slo, prof,
                                      dataclasses.replace(load, prefill_step_factor=1.0, decode_step_factor=1.0))
-        factors = step_factors(got.engine_by_role, as_profiled_steps["engine"], step_model,
+        factors = step_factors(got.engine_by_role, as_profiled_steps["engine"],
+                               models(prof, not args.keep_profile_load, mix.colocated)[0],
                                (hw.prefill_step_factor, hw.decode_step_factor))
         load = dataclasses.replace(load, prefill_step_factor=factors.get(PREFILL, hw.prefill_step_factor),
                                    decode_step_factor=factors.get(DECODE, hw.decode_step_factor))

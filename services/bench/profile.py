@@ -1,12 +1,14 @@
 """``tandem profile``: what an engine step and a KV transfer cost on this hardware.
 
 Measured on real engines in Ray actors set up as the cluster's workers are (torch and
-OpenMP threads per worker, the prefill pool's niceness; one actor at a time, so the
-figures are the worker alone on its cores):
+OpenMP threads per worker, the prefill pool's niceness, each pool's CPU weight layout;
+one actor at a time, so the figures are the worker alone on its cores):
 
 - prefill: steps of one prompt of 16..2048 tokens, and of several prompts at once;
 - decode: steps of batch 1..48 at several contexts, and mixed steps (decodes plus a
   prefill chunk, as chunked prefill schedules them) to check the additive model;
+- colocated workers run both phases on their own layout (``ClusterConfig.pool_layout``):
+  where it is not a pool's, that pool's grid is timed again on it (``points["colocated"]``);
 - KV transfer: the KV protocol between two actors over gloo (nccl with ``--device cuda``)
   (``services.bench.transfer.bandwidth``), 0.25..16 MB.
 
@@ -27,6 +29,9 @@ from typing import Any
 
 from services.bench import runinfo
 from services.bench.perf_model import DecodeModel, PrefillModel, StepModel, TransferModel, attention_pairs
+from services.bench.step_timer import StepTimer
+from services.cluster.flags import add_config_flags
+from services.common.config import ClusterConfig, EngineConfig
 
 SCHEMA = "tandem.profile/v1"
 
@@ -53,138 +58,77 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed steps per grid point (medians are fitted)")
     p.add_argument("--skip-transfer", action="store_true", help="no KV transfer part (single-pool plans only)")
     p.add_argument("--out", default="profile.json", help="where the profile goes")
+    add_config_flags(p, ClusterConfig, only=LAYOUT_FIELDS)  # as `tandem serve`
 
 
-class _Profiler:
-    """One engine in a Ray actor, configured as a worker of the cluster."""
+# the settings that choose each kind of worker's CPU weight layout
+LAYOUT_FIELDS = ("cpu_weight_layout", "prefill_weight_layout", "decode_weight_layout")
 
-    def __init__(self, model: str, threads: int, niceness: int, device: str = "cpu", kv_cache_gb: float = 0.25,
-                 seed: int = 0) -> None:
-        import numpy as np
-        import torch
 
-        from services.common.config import CacheConfig, EngineConfig
-        from services.engine.engine import LLMEngine
-
-        if niceness:
-            os.nice(niceness)
-        os.environ["OMP_NUM_THREADS"] = str(threads)  # as EngineWorker does
-        torch.set_num_threads(threads)
-        self.config = EngineConfig(model=model, num_threads=threads, device=device,
-                                   cache=CacheConfig(memory_gb=kv_cache_gb, enable_prefix_caching=False))
-        self.engine = LLMEngine(self.config)
-        self.rng = np.random.default_rng(seed)
-        self.n = 0
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def limits(self) -> dict[str, Any]:
-        e, mc = self.engine, self.engine.model_config
-        return {"max_num_batched_tokens": e.config.scheduler.max_num_batched_tokens,
-                "max_num_seqs": e.config.scheduler.max_num_seqs,
-                "block_size": e.config.cache.block_size, "num_blocks": e.block_pool.num_blocks,
-                "kv_bytes_per_token": e.kv_cache.bytes_per_block(
-                    mc.num_layers, 1, mc.num_kv_heads, mc.head_dim, e.dtype),
-                "dtype": str(e.dtype).removeprefix("torch."), "device": str(e.device),
-                "gpu": __import__("torch").cuda.get_device_name(e.device) if e.device.type == "cuda" else None,
-                "max_model_len": e.max_model_len,
-                "model": {"path": e.model_path, "architecture": mc.architecture, "layers": mc.num_layers,
-                          "hidden_size": mc.hidden_size, "kv_heads": mc.num_kv_heads, "head_dim": mc.head_dim,
-                          "vocab_size": mc.vocab_size}}
-
-    def _add(self, length: int, max_tokens: int) -> str:
-        from services.common.sampling_params import SamplingParams
-
-        self.n += 1
-        rid = f"p{self.n}"
-        ids = self.rng.integers(16, 1000, size=length).tolist()
-        self.engine.add_request(rid, ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-        return rid
-
-    def _timed_step(self) -> float:
-        t0 = time.perf_counter()
-        self.engine.step()
-        return time.perf_counter() - t0
-
-    def _drain(self) -> None:
-        for seq in list(self.engine.scheduler.seqs):
-            self.engine.abort(seq)
-
-    def prefill(self, tokens: list[int], batches: list[tuple[int, int]], repeats: int) -> list[dict]:
-        """One timed step per point: the whole prompt(s) in one step, then finished."""
-        budget = self.engine.config.scheduler.max_num_batched_tokens
-        if max([*tokens, *(b * n for b, n in batches)]) > budget:
-            raise ValueError(f"a timed prefill step holds at most max_num_batched_tokens={budget} tokens")
-        self._add(64, 1), self._timed_step()  # warm-up
-        self._add(512, 1), self._timed_step()
-        out = []
-        for _ in range(repeats):
-            for n in tokens:
-                self._add(n, 1)
-                out.append({"tokens": n, "seqs": 1, "pairs": attention_pairs(n), "seconds": self._timed_step()})
-            for b, n in batches:
-                for _ in range(b):
-                    self._add(n, 1)
-                out.append({"tokens": b * n, "seqs": b, "pairs": b * attention_pairs(n),
-                            "seconds": self._timed_step()})
-        self._drain()
-        return out
-
-    def decode(self, setups: list[tuple[int, int]], mixed_setups: list[tuple[int, int, tuple[int, ...]]],
-               repeats: int) -> tuple[list[dict], list[dict]]:
-        """Decode steps of each (batch, prompt length); mixed steps where ``mixed_setups`` says."""
-        mixed = {(b, n): sizes for b, n, sizes in mixed_setups}
-        sched = self.engine.scheduler
-        points, mixed_points = [], []
-        for b, length in setups:
-            extra = len(mixed.get((b, length), ()))
-            for _ in range(b):
-                self._add(length, 4 + repeats + extra + 2)
-            while not (len(sched.running) == b and all(s.num_uncomputed_tokens == 1 for s in sched.running)):
-                self.engine.step()
-            self.engine.step()  # one untimed decode step
-            for _ in range(repeats):
-                ctx = sum(s.num_tokens for s in sched.running)
-                points.append({"batch": b, "context": ctx, "seconds": self._timed_step()})
-            for n in mixed.get((b, length), ()):
-                ctx = sum(s.num_tokens for s in sched.running)
-                self._add(n, 1)
-                mixed_points.append({"batch": b, "context": ctx, "prefill_tokens": n,
-                                     "seconds": self._timed_step()})
-            self._drain()
-        return points, mixed_points
+def pool_layouts(cluster: ClusterConfig) -> dict[str, str]:
+    """The CPU weight layout of each kind of worker, as the cluster gives them."""
+    return {role: cluster.pool_layout(role) for role in ("prefill", "decode", "colocated")}
 
 
 def measure(model: str, threads: int, prefill_nice: int, repeats: int, transfer: bool,
-            progress=print, grid: Grid = Grid(), device: str = "cpu", kv_cache_gb: float = 0.25) -> dict[str, Any]:
-    """The profile dict (schema ``SCHEMA``); Ray must be running."""
+            progress=print, grid: Grid = Grid(), device: str = "cpu", kv_cache_gb: float = 0.25,
+            layouts: dict[str, str] | None = None) -> dict[str, Any]:
+    """The profile dict (schema ``SCHEMA``); Ray must be running. ``layouts``: each kind of
+    worker's CPU weight layout (``pool_layouts``; default: the cluster's defaults)."""
     import ray
 
     from services.bench.cpu_load import BackgroundSampler
 
     gpu = 1 if device.startswith("cuda") else 0
-    actor_cls = ray.remote(_Profiler)
+    layouts = dict(layouts or pool_layouts(ClusterConfig()))
+    colo = layouts["colocated"]
+    # a GPU engine has no CPU weight layouts: one profile serves every kind of worker
+    colo_prefill = not gpu and colo != layouts["prefill"]
+    colo_decode = not gpu and colo != layouts["decode"]
+    actor_cls = ray.remote(StepTimer)
     actor_pids: list[int] = []
     sampler = BackgroundSampler(lambda: [os.getpid(), *actor_pids]).start()
+    colocated: dict[str, list[dict]] = {}
+
+    def start(niceness: int, layout: str):
+        actor = actor_cls.options(num_cpus=0, num_gpus=gpu).remote(model, threads, niceness, device, kv_cache_gb,
+                                                                   layout)
+        actor_pids[:] = [ray.get(actor.pid.remote())]
+        return actor
+
+    def prefill_grid(actor) -> list[dict]:
+        return ray.get(actor.prefill.remote(list(grid.prefill_tokens), list(grid.prefill_batches), repeats))
+
+    def decode_grid(actor, mixed: bool) -> tuple[list[dict], list[dict]]:
+        return ray.get(actor.decode.remote(list(grid.decode_setups), list(grid.mixed_setups) if mixed else [],
+                                           repeats))
+
     try:
-        progress(f"prefill steps ({threads} thread(s), niceness {prefill_nice})")
-        pre = actor_cls.options(num_cpus=0, num_gpus=gpu).remote(model, threads, prefill_nice, device, kv_cache_gb)
+        progress(f"prefill steps ({threads} thread(s), niceness {prefill_nice}, {layouts['prefill']} weights)")
+        pre = start(prefill_nice, layouts["prefill"])
         try:
-            actor_pids[:] = [ray.get(pre.pid.remote())]
             limits = ray.get(pre.limits.remote())
-            prefill_points = ray.get(pre.prefill.remote(list(grid.prefill_tokens), list(grid.prefill_batches),
-                                                        repeats))
+            prefill_points = prefill_grid(pre)
         finally:
             ray.kill(pre)
-        progress("decode and mixed steps")
-        dec = actor_cls.options(num_cpus=0, num_gpus=gpu).remote(model, threads, 0, device, kv_cache_gb)
+        progress(f"decode {'' if colo_decode else 'and mixed '}steps ({layouts['decode']} weights)")
+        dec = start(0, layouts["decode"])
         try:
-            actor_pids[:] = [ray.get(dec.pid.remote())]
-            decode_points, mixed_points = ray.get(dec.decode.remote(list(grid.decode_setups),
-                                                                     list(grid.mixed_setups), repeats))
+            decode_points, mixed_points = decode_grid(dec, mixed=not colo_decode)
+            if colo_prefill and not colo_decode:
+                progress(f"prefill steps of colocated workers ({colo} weights)")
+                colocated["prefill"] = prefill_grid(dec)
         finally:
             ray.kill(dec)
+        if colo_decode:
+            progress(f"decode and mixed steps of colocated workers ({colo} weights)")
+            both = start(0, colo)
+            try:
+                colocated["decode"], mixed_points = decode_grid(both, mixed=True)
+                if colo_prefill:
+                    colocated["prefill"] = prefill_grid(both)
+            finally:
+                ray.kill(both)
     finally:
         background = sampler.stop()
     out: dict[str, Any] = {
@@ -192,9 +136,11 @@ def measure(model: str, threads: int, prefill_nice: int, repeats: int, transfer:
         "hardware": {"cpu": runinfo.machine()["cpu"], "cores": len(os.sched_getaffinity(0)),
                      "device": limits.pop("device"), "gpu": limits.pop("gpu")},
         "model": limits.pop("model"), "engine": limits,
-        "worker": {"threads_per_worker": threads, "prefill_nice": prefill_nice,
+        "worker": {"threads_per_worker": threads, "prefill_nice": prefill_nice, "weight_layouts": layouts,
                    "kind": f"gpu-{limits.get('dtype')}" if gpu else f"cpu-{threads}t"},
-        "points": {"prefill": prefill_points, "decode": decode_points, "mixed": mixed_points},
+        # mixed steps are a colocated worker's, on its layout
+        "points": {"prefill": prefill_points, "decode": decode_points, "mixed": mixed_points,
+                   "colocated": colocated},
         # cores other processes used meanwhile: `tandem plan` scales the steps back to a quiet machine
         "background": {"cores_mean": background, "samples": len(sampler.samples)},
     }
@@ -213,11 +159,15 @@ def fit(prof: dict[str, Any]) -> dict[str, Any]:
     """Fit the models to a profile's points (``prof["fit"]``), and check the step model on
     the mixed steps it was not fitted on (``predicted_seconds`` on each)."""
     pts = prof["points"]
-    steps = StepModel(PrefillModel.fit(pts["prefill"]), DecodeModel.fit(pts["decode"]))
-    prof["fit"] = {"prefill": steps.prefill.to_json(), "decode": steps.decode.to_json()}
+    pools = StepModel(PrefillModel.fit(pts["prefill"]), DecodeModel.fit(pts["decode"]))
+    own = pts.get("colocated") or {}  # colocated workers' own grids (profiles before: none)
+    colocated = StepModel(PrefillModel.fit(own["prefill"]) if own.get("prefill") else pools.prefill,
+                          DecodeModel.fit(own["decode"]) if own.get("decode") else pools.decode)
+    prof["fit"] = {"prefill": pools.prefill.to_json(), "decode": pools.decode.to_json(),
+                   "colocated": {"prefill": colocated.prefill.to_json(), "decode": colocated.decode.to_json()}}
     for p in pts["mixed"]:
-        p["predicted_seconds"] = steps.step(p["prefill_tokens"], attention_pairs(p["prefill_tokens"]),
-                                            p["batch"], p["context"])
+        p["predicted_seconds"] = colocated.step(p["prefill_tokens"], attention_pairs(p["prefill_tokens"]),
+                                                p["batch"], p["context"])
     if pts.get("transfer"):
         prof["fit"]["transfer"] = TransferModel.fit(pts["transfer"]).to_json()
     return prof
@@ -230,6 +180,17 @@ def background_cores(prof: dict[str, Any]) -> float | None:
     return bg.get("cores_mean", bg.get("runnable_threads_mean"))
 
 
+def _print_steps(label: str, prefill: dict[str, float] | None, decode: dict[str, float] | None) -> None:
+    if prefill is not None:
+        pre = PrefillModel.from_json(prefill)
+        print(f"{label}prefill step: {1e3 * pre.base:.2f} ms + {1e3 * pre.per_token:.3f} ms/token + "
+              f"{1e6 * pre.per_pair:.4f} us per attention pair; one prompt of " +
+              ", ".join(f"{n}: {1e3 * pre(n):.0f} ms" for n in (128, 512, 1024, 2048)))
+    if decode is not None:
+        print(f"{label}decode step: {1e3 * decode['base']:.2f} ms + {1e3 * decode['per_seq']:.3f} ms/seq + "
+              f"{1e6 * decode['per_ctx']:.3f} us per context token")
+
+
 def print_profile(prof: dict[str, Any]) -> None:
     f = prof["fit"]
     print(runinfo.machine_line())
@@ -238,13 +199,14 @@ def print_profile(prof: dict[str, Any]) -> None:
         print(f"other processes kept {bg:.2f} cores busy on average while the steps were timed")
     print(f"model {prof['model']['path']} ({prof['engine']['dtype']}), {prof['worker']['threads_per_worker']} "
           f"thread(s) per worker; budget {prof['engine']['max_num_batched_tokens']} tokens per step")
-    pre = PrefillModel.from_json(f["prefill"])
-    print(f"prefill step: {1e3 * pre.base:.2f} ms + {1e3 * pre.per_token:.3f} ms/token + "
-          f"{1e6 * pre.per_pair:.4f} us per attention pair; one prompt of " +
-          ", ".join(f"{n}: {1e3 * pre(n):.0f} ms" for n in (128, 512, 1024, 2048)))
-    d = f["decode"]
-    print(f"decode step: {1e3 * d['base']:.2f} ms + {1e3 * d['per_seq']:.3f} ms/seq + "
-          f"{1e6 * d['per_ctx']:.3f} us per context token")
+    layouts = prof["worker"].get("weight_layouts")
+    if layouts:
+        print("weight layouts: " + ", ".join(f"{role} {layout}" for role, layout in layouts.items()))
+    _print_steps("", f["prefill"], f["decode"])
+    own = prof["points"].get("colocated") or {}
+    if own:  # colocated workers' own layout
+        _print_steps("colocated ", f["colocated"]["prefill"] if "prefill" in own else None,
+                     f["colocated"]["decode"] if "decode" in own else None)
     mixed = prof["points"]["mixed"]
     if mixed:
         errs = [abs(p["predicted_seconds"] / p["seconds"] - 1) for p in mixed]
@@ -286,6 +248,9 @@ def main(args: argparse.Namespace) -> int:
     if args.kv_cache_gb <= 0:
         raise ValueError("--kv-cache-gb must be > 0")
     model = str(args.model or default_model_path("bench"))
+    layouts = pool_layouts(ClusterConfig(
+        engine=EngineConfig(cpu_weight_layout=args.cpu_weight_layout),
+        prefill_weight_layout=args.prefill_weight_layout, decode_weight_layout=args.decode_weight_layout))
     t0 = time.perf_counter()
     runtime = RayRuntime() if not ray.is_initialized() else None
     if runtime is not None:
@@ -293,7 +258,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         prof = measure(model, args.threads_per_worker, args.prefill_nice, args.repeats, not args.skip_transfer,
                        progress=lambda m: print(f"[{time.perf_counter() - t0:5.1f}s] {m}", flush=True),
-                       device=check_device(args.device), kv_cache_gb=args.kv_cache_gb)
+                       device=check_device(args.device), kv_cache_gb=args.kv_cache_gb, layouts=layouts)
     finally:
         if runtime is not None:
             runtime.stop()

@@ -153,11 +153,10 @@ class Cluster:
         """The engine ``worker_id`` runs: the cluster's, with its pool's weight layout in a
         disaggregated or conditional cluster (colocated workers run both phases: they keep
         the cluster's)."""
-        if self.config.mode == "colocated":
-            return self._engine
-        layout = self.config.prefill_weight_layout if worker_id.startswith("prefill-") \
-            else self.config.decode_weight_layout
-        if layout is None or layout == self._engine.cpu_weight_layout:
+        role = "colocated" if self.config.mode == "colocated" else \
+            "prefill" if worker_id.startswith("prefill-") else "decode"
+        layout = self.config.pool_layout(role)
+        if layout == self._engine.cpu_weight_layout:
             return self._engine
         return dataclasses.replace(self._engine, cpu_weight_layout=layout)
 

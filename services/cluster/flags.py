@@ -54,12 +54,13 @@ def dest(setting: Setting) -> str:
     return setting.flag.removeprefix("--").replace("-", "_")
 
 
-def add_config_flags(parser: argparse.ArgumentParser, cls: type,
-                     exclude: Collection[str] = ()) -> list[Setting]:
-    """Add a flag for every CLI setting of ``cls`` not named in ``exclude``; return those settings."""
+def add_config_flags(parser: argparse.ArgumentParser, cls: type, exclude: Collection[str] = (),
+                     only: Collection[str] | None = None) -> list[Setting]:
+    """Add a flag for every CLI setting of ``cls`` not named in ``exclude`` (and named in
+    ``only`` when given); return those settings."""
     added = []
     for s in settings(cls):
-        if s.flag is None or s.name in exclude:
+        if s.flag is None or s.name in exclude or (only is not None and s.name not in only):
             continue
         kind, nullable = _base(s.type)
         meta = s.metadata

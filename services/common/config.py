@@ -291,8 +291,8 @@ class ClusterConfig:
     # decode steps on the packed one (--cpu-weight-layout's default).
     prefill_weight_layout: str = field(default="blocked", metadata={
         "choices": CPU_WEIGHT_LAYOUTS,
-        "help": "CPU, disaggregated or conditional: the prefill pool's weight layout (default: "
-                "blocked, the faster for prompts)"})
+        "help": "CPU, disaggregated or conditional: the prefill pool's weight layout (blocked: "
+                "the faster for prompts)"})
     decode_weight_layout: str | None = field(default=None, metadata={
         "choices": CPU_WEIGHT_LAYOUTS,
         "help": "CPU, disaggregated or conditional: the decode pool's weight layout (default: "
@@ -358,6 +358,18 @@ class ClusterConfig:
                 raise ValueError(f"{name} must be one of {', '.join(CPU_WEIGHT_LAYOUTS)}, "
                                  f"got {getattr(self, name)!r}")
         self._check_placement()
+
+    def pool_layout(self, role: str) -> str:
+        """The CPU weight layout a worker of ``role`` runs: "prefill" and "decode" are the
+        pools of a disaggregated or conditional cluster, "colocated" a worker doing both
+        phases (it keeps --cpu-weight-layout)."""
+        if role == "prefill":
+            return self.prefill_weight_layout
+        if role == "decode":
+            return self.decode_weight_layout or self.engine.cpu_weight_layout
+        if role == "colocated":
+            return self.engine.cpu_weight_layout
+        raise ValueError(f"role must be prefill, decode or colocated, got {role!r}")
 
     def _check_placement(self) -> None:
         """One GPU per NCCL rank; transports that fit the device."""

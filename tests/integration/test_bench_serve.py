@@ -135,7 +135,9 @@ def test_plan_validate_measures_a_started_server_and_its_cpu(tiny_model_dir, tmp
            "mixed": [], "transfer": [{"bytes": b, "seconds": 1e-3 + b / 1e9} for b in (2**16, 2**20)]}
     prof = profile_mod.fit({
         "schema": profile_mod.SCHEMA, "hardware": {"cpu": "test CPU", "cores": 2, "device": "cpu"},
-        "model": {"path": str(tiny_model_dir)}, "worker": {"threads_per_worker": 1, "prefill_nice": 0},
+        "model": {"path": str(tiny_model_dir)},
+        "worker": {"threads_per_worker": 1, "prefill_nice": 0,
+                   "weight_layouts": {"prefill": "plain", "decode": "blocked", "colocated": "plain"}},
         "engine": {"max_num_batched_tokens": 2048, "max_num_seqs": 256, "block_size": 16, "num_blocks": 1024,
                    "kv_bytes_per_token": 1024}, "points": pts})
     path = tmp_path / "profile.json"
@@ -164,6 +166,10 @@ def test_plan_validate_measures_a_started_server_and_its_cpu(tiny_model_dir, tmp
     assert row["request_path_ms_per_token"] > 0 and 0.0 <= row["background_cores"] < 2.0
     assert [r["rate"] for r in row["predicted_runs"]] == [4.0] and "ttft_ms" in row["predicted_runs"][0]["summary"]
     assert "idle" in proc.stdout and "colocated×1" in proc.stdout
+    # each mix served on the layouts its steps were profiled on
+    served = [line for line in proc.stdout.splitlines() if line.startswith("measuring ")]
+    assert len(served) == 2 and all("--cpu-weight-layout=plain --prefill-weight-layout=plain "
+                                    "--decode-weight-layout=blocked" in line for line in served), served
     # both simulated sequences were measured, pooled per rate as the simulation pools them
     measured = json.loads((out / "measured-colocated×1-results.json").read_text())
     (run,) = measured["runs"]

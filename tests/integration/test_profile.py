@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from services.bench import profile as profile_mod
 from services.bench.perf_model import DecodeModel, PrefillModel, TransferModel
+from services.bench.step_timer import StepTimer
 
 GRID = profile_mod.Grid(prefill_tokens=(16, 64, 256), prefill_batches=((4, 32),),
                         decode_setups=((1, 32), (4, 64), (8, 32)), mixed_setups=((4, 64, (32, 128)),),
@@ -32,3 +35,35 @@ def test_profile_measures_fits_and_round_trips(ray_session, tiny_model_dir, tmp_
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(prof))
     assert profile_mod.load(path)["fit"] == prof["fit"]
+    # the cluster's default layouts: colocated workers' prompts (packed) timed apart from the
+    # prefill pool's (blocked); their decode steps are the decode pool's
+    assert prof["worker"]["weight_layouts"] == {"prefill": "blocked", "decode": "packed", "colocated": "packed"}
+    assert set(pts["colocated"]) == {"prefill"} and len(pts["colocated"]["prefill"]) == 2 * 4
+    assert PrefillModel.from_json(prof["fit"]["colocated"]["prefill"])(256) > 0
+
+
+def test_each_kind_of_worker_is_timed_on_its_own_layout(ray_session, tiny_model_dir):
+    grid = profile_mod.Grid(prefill_tokens=(16, 64, 128), prefill_batches=(), decode_setups=((1, 32), (4, 32), (2, 64)),
+                            mixed_setups=((4, 32, (32,)),), transfer_mb=())
+    layouts = {"prefill": "plain", "decode": "blocked", "colocated": "packed"}
+    prof = profile_mod.measure(str(tiny_model_dir), threads=1, prefill_nice=0, repeats=1, transfer=False,
+                               progress=lambda m: None, grid=grid, layouts=layouts)
+    pts = prof["points"]
+    assert set(pts["colocated"]) == {"prefill", "decode"}  # neither pool's layout: both grids again
+    assert {p["batch"] for p in pts["colocated"]["decode"]} == {1, 2, 4}
+    assert [p["prefill_tokens"] for p in pts["mixed"]] == [32]  # on the colocated worker's layout
+    assert prof["worker"]["weight_layouts"] == layouts
+    same = profile_mod.measure(str(tiny_model_dir), threads=1, prefill_nice=0, repeats=1, transfer=False,
+                               progress=lambda m: None, grid=grid,
+                               layouts={"prefill": "blocked", "decode": "blocked", "colocated": "blocked"})
+    assert same["points"]["colocated"] == {}
+    assert same["fit"]["colocated"] == {"prefill": same["fit"]["prefill"], "decode": same["fit"]["decode"]}
+
+
+@pytest.mark.parametrize("layout", ["plain", "blocked"])
+def test_a_step_timer_runs_the_layout_it_is_given(tiny_model_dir, layout):
+    from services.engine.model.onednn import CpuLinear
+
+    timer = StepTimer(str(tiny_model_dir), threads=1, niceness=0, layout=layout)
+    model = timer.engine.runner.model
+    assert {m.layout for m in model.layers.modules() if isinstance(m, CpuLinear)} == {layout}
