@@ -15,8 +15,10 @@ from services.engine.model import cpu_features, kernel_build, packed_linear
 
 pytestmark = pytest.mark.skipif(packed_linear.load() is None, reason="no C compiler on this machine")
 
-SHAPES = [(1, 1), (31, 17), (32, 64), (33, 5), (100, 576)]  # (N, K): panels full, partial, one
-ROWS = [1, 2, 13, 14, 15, 29, 168, 200]  # micro-tiles of 14 rows, blocks of 168
+# (N, K): panels full, partial, one; from 128 rows on, pairs of panels (an odd one left per
+# thread; the pair's second panel partial)
+SHAPES = [(1, 1), (31, 17), (32, 64), (33, 5), (100, 576), (96, 24), (161, 40)]
+ROWS = [1, 2, 13, 14, 15, 29, 127, 128, 168, 200, 301]  # micro-tiles of 14 and 6 rows, blocks of 168
 
 
 def _case(n: int, k: int, bias: bool, seed: int = 0):
@@ -41,15 +43,18 @@ def test_it_computes_the_plain_product_for_every_row_count(n, k, bias):
         torch.testing.assert_close(kernels.linear(x, packed, b, n), want, atol=1e-4, rtol=1e-4)
 
 
-def test_a_row_comes_out_bit_identical_alone_and_in_any_batch():
+@pytest.mark.parametrize("n,k", [(100, 576), (161, 40)])
+def test_a_row_comes_out_bit_identical_alone_and_in_any_batch(n, k):
+    """Alone a row takes the one-panel micro-kernel; in a batch of 200 the two-panel one."""
     kernels = packed_linear.load()
-    w, b, gen = _case(100, 576, bias=True)
+    w, b, gen = _case(n, k, bias=True)
     packed = kernels.pack(w)
-    x = torch.randn(200, 576, generator=gen)
-    batch = kernels.linear(x, packed, b, 100)
-    for i in (0, 13, 14, 167, 168, 199):  # first/last of a micro-tile and of a block
-        assert torch.equal(kernels.linear(x[i:i + 1].contiguous(), packed, b, 100)[0], batch[i])
-    assert torch.equal(kernels.linear(x[20:50].contiguous(), packed, b, 100), batch[20:50])
+    x = torch.randn(200, k, generator=gen)
+    batch = kernels.linear(x, packed, b, n)
+    for i in (0, 5, 6, 13, 14, 167, 168, 199):  # first/last of a micro-tile and of a block
+        assert torch.equal(kernels.linear(x[i:i + 1].contiguous(), packed, b, n)[0], batch[i])
+    assert torch.equal(kernels.linear(x[20:50].contiguous(), packed, b, n), batch[20:50])
+    assert torch.equal(kernels.linear(x[:130].contiguous(), packed, b, n), batch[:130])
 
 
 def test_it_refuses_what_does_not_fit():
@@ -86,10 +91,11 @@ def test_the_portable_build_computes_the_same(tmp_path):
         lib = ctypes.CDLL(str(lib_path))
     portable = packed_linear.PackedKernels(Lib())  # type: ignore[arg-type]
     native = packed_linear.load()
-    w, b, gen = _case(33, 70, bias=True)
+    w, b, gen = _case(161, 70, bias=True)
     packed = native.pack(w)
     assert torch.equal(portable.pack(w), packed)
-    x = torch.randn(30, 70, generator=gen)
-    batch = portable.linear(x, packed, b, 33)
-    torch.testing.assert_close(batch, native.linear(x, packed, b, 33), atol=1e-5, rtol=1e-5)
-    assert torch.equal(portable.linear(x[7:8].contiguous(), packed, b, 33)[0], batch[7])
+    for rows in (30, 130):  # the native build: one panel at a time, then pairs
+        x = torch.randn(rows, 70, generator=gen)
+        batch = portable.linear(x, packed, b, 161)
+        torch.testing.assert_close(batch, native.linear(x, packed, b, 161), atol=1e-5, rtol=1e-5)
+        assert torch.equal(portable.linear(x[7:8].contiguous(), packed, b, 161)[0], batch[7])
