@@ -12,7 +12,8 @@ from services.common.config import EngineConfig
 
 
 class StepTimer:
-    """One engine in a Ray actor, configured as a worker of the cluster."""
+    """One engine configured as a worker of the cluster (its threads, niceness and CPU
+    weight layout) that times its own steps; ``tandem profile`` runs it as a Ray actor."""
 
     def __init__(self, model: str, threads: int, niceness: int, device: str = "cpu", kv_cache_gb: float = 0.25,
                  layout: str = EngineConfig.cpu_weight_layout, seed: int = 0) -> None:
@@ -20,7 +21,7 @@ class StepTimer:
         import torch
 
         from services.common.config import CacheConfig
-        from services.engine.engine import LLMEngine
+        from services.engine.engine import LLMEngine  # torch: loaded in the actor only
 
         if niceness:
             os.nice(niceness)
