@@ -215,12 +215,15 @@ def recommend(results: list[dict[str, Any]], target_rate: float, target: float) 
     return min(ok, key=lambda r: (r["cores"], -r["goodput"]["interpolated_rps"], -at_target(r), r["label"]))
 
 
-def helm_values(mix: Mix, note: str) -> str:
-    """A values fragment for helm/tandem: the mode and the two worker groups' replicas (one worker per pod)."""
+def helm_values(mix: Mix, note: str, layouts: dict[str, str] | None = None) -> str:
+    """A values fragment for helm/tandem: the mode and the two worker groups' replicas (one
+    worker per pod), and their CPU weight layouts when ``layouts`` (the profile's) says."""
+    prefill_layout = f"  weightLayout: {layouts['prefill']}\n" if layouts else ""
+    decode_layout = f"  weightLayout: {layouts['colocated' if mix.colocated else 'decode']}\n" if layouts else ""
     return (f"# {note}\n"
             f"gateway:\n  mode: {'colocated' if mix.colocated else 'disaggregated'}\n"
-            f"prefill:\n  replicas: {0 if mix.colocated else mix.prefill}\n  workersPerPod: 1\n"
-            f"decode:\n  replicas: {mix.decode}\n  workersPerPod: 1\n")
+            f"prefill:\n  replicas: {0 if mix.colocated else mix.prefill}\n  workersPerPod: 1\n{prefill_layout}"
+            f"decode:\n  replicas: {mix.decode}\n  workersPerPod: 1\n{decode_layout}")
 
 
 def print_table(results: list[dict[str, Any]], target_rate: float, best: dict[str, Any] | None) -> None:
@@ -291,7 +294,8 @@ def main(args: argparse.Namespace) -> int:
         if args.helm_values:
             Path(args.helm_values).write_text(helm_values(Mix(**best["mix"]), (
                 f"tandem plan: {wl.name} at {target_rate:g} req/s, SLO TTFT {slo['ttft_ms']} ms / TPOT "
-                f"{slo['tpot_ms']} ms at {slo['attainment']:.0%}: {best['label']}")))
+                f"{slo['tpot_ms']} ms at {slo['attainment']:.0%}: {best['label']}"),
+                prof["worker"].get("weight_layouts")))
             print(f"helm values: {args.helm_values}")
     if not args.no_plots:
         from services.bench import plots

@@ -350,6 +350,7 @@ BAD_VALUES = {
     "resources-in-rayStartParams": (
         "prefill:\n  rayStartParams:\n    resources: '{}'\n", ["/prefill/rayStartParams/resources"]),
     "ray-own-resource-as-custom": ("decode:\n  customResources:\n    GPU: 1\n", ["/decode/customResources/GPU"]),
+    "unknown-weight-layout": ("prefill:\n  weightLayout: dense\n", ["/prefill/weightLayout"]),
 }
 
 
@@ -651,6 +652,18 @@ def test_gpu_pools_land_in_the_raycluster_and_the_gateway():
         (mount,) = [m for c in spec["containers"] for m in c["volumeMounts"] if m["name"] == "model"]
         assert mount == {"name": "model", "mountPath": "/models/Llama-3.1-8B-Instruct",
                          "subPath": "hf/Llama-3.1-8B-Instruct", "readOnly": True}, where
+
+
+@pytest.mark.parametrize("mode,decode_flag", [("disaggregated", "--decode-weight-layout"),
+                                              ("colocated", "--cpu-weight-layout")])
+def test_each_worker_groups_weight_layout_reaches_tandem_serve(mode, decode_flag):
+    args = gateway_container(render({"gateway": {"mode": mode}, "prefill": {"weightLayout": "packed"},
+                                     "decode": {"weightLayout": "plain"}}))["args"]
+    assert arg_value(args, "--prefill-weight-layout") == "packed"
+    assert arg_value(args, decode_flag) == "plain"
+    # empty (the default): tandem serve's own defaults
+    defaults = gateway_container(render({"gateway": {"mode": mode}}))["args"]
+    assert not any(a.endswith("weight-layout") for a in defaults)
 
 
 def test_everything_on_renders_every_optional_resource_consistently():

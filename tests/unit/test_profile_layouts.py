@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 
 from services.bench import profile as profile_mod
 from services.bench.perf_model import attention_pairs
-from services.bench.plan import models
+from services.bench.plan import Mix, helm_values, models
 from services.bench.plan_validate import server_layout_args
 from services.cluster.cli import build_parser, main as cli
 from services.cluster.serve import build_config
@@ -102,3 +103,12 @@ def test_validation_serves_the_layouts_the_profile_timed():
     cluster = build_config(build_parser().parse_args(["serve", *flags]))
     assert profile_mod.pool_layouts(cluster) == prof["worker"]["weight_layouts"]
     assert server_layout_args(_prof(None)) == []
+
+
+def test_helm_values_carry_the_profiled_layouts_of_the_chosen_mix():
+    layouts = {"prefill": "blocked", "decode": "plain", "colocated": "packed"}
+    disagg = yaml.safe_load(helm_values(Mix(2, 1), "note", layouts))
+    assert (disagg["prefill"]["weightLayout"], disagg["decode"]["weightLayout"]) == ("blocked", "plain")
+    colo = yaml.safe_load(helm_values(Mix(0, 2, True), "note", layouts))
+    assert colo["decode"]["weightLayout"] == "packed"  # the chart passes it as --cpu-weight-layout there
+    assert "weightLayout" not in helm_values(Mix(1, 1), "note")  # a profile without layouts: the chart's defaults
