@@ -11,8 +11,9 @@ LOCAL_SHORT_PROMPT = "local_short_prompt"  # conditional: prompt under the thres
 LOCAL_PREFILL_SATURATED = "local_prefill_saturated"  # conditional: prefill pool saturated
 LOCAL_PREFILL_UNAVAILABLE = "local_prefill_unavailable"  # no prefill worker alive
 COLOCATED = "colocated"  # colocated mode: one worker does both phases
+LOCAL_RESUME = "local_resume"  # a started stream re-driven: prompt + tokens so far, on decode
 REASONS = (REMOTE, LOCAL_SHORT_PROMPT, LOCAL_PREFILL_SATURATED, LOCAL_PREFILL_UNAVAILABLE,
-           COLOCATED)
+           COLOCATED, LOCAL_RESUME)
 
 
 @dataclass(frozen=True)

@@ -110,7 +110,7 @@ class RequestDriver:
                         await self.wait_until_serving()
                     decision = self.router.retry(
                         request_id, exclude=lost, prompt_token_ids=prompt + tuple(produced),
-                        max_tokens=max(1, max_tokens - len(produced)))
+                        max_tokens=max(1, max_tokens - len(produced)), resume=bool(produced))
         finally:
             self.router.complete(request_id)
 

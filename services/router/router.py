@@ -117,15 +117,17 @@ class Router:
 
     def retry(self, request_id: str, exclude: Iterable[str] = (), *,
               prompt_token_ids: Sequence[int] | None = None,
-              max_tokens: int | None = None) -> RouteDecision:
+              max_tokens: int | None = None, resume: bool = False) -> RouteDecision:
         """Re-drive a tracked request on other workers (both chosen anew).
 
         ``exclude`` names workers not to use this time (e.g. the one that
         failed); dead workers are skipped anyway. For a decode worker that died
-        mid-stream, pass the prompt plus the tokens already sent, and the
-        tokens still to generate. The old promises are released first; if this
-        raises, the request stays tracked without promises (retry again or
-        ``release`` it).
+        mid-stream, pass the prompt plus the tokens already sent, the tokens
+        still to generate, and ``resume=True``: the decode worker prefills them
+        itself, and a stream already under way is not refused for want of room
+        (the worker queues it until blocks free); only workers too small for it
+        are skipped. The old promises are released first; if this raises, the
+        request stays tracked without promises (retry again or ``release`` it).
         """
         with self._lock:
             record = self._requests.get(request_id)
@@ -142,7 +144,7 @@ class Router:
             record.attempts += 1
             self.retries += 1
             record.decision = self._place(request_id, record.prompt_token_ids, set(exclude),
-                                          record.attempts)
+                                          record.attempts, resume)
             return record.decision
 
     def prefill_done(self, request_id: str) -> None:
@@ -204,12 +206,15 @@ class Router:
         return out
 
     def _place(self, request_id: str, prompt: tuple[int, ...], exclude: set[str],
-               attempt: int) -> RouteDecision:
+               attempt: int, resume: bool = False) -> RouteDecision:
         cfg = self.config
         alive = self._snapshots(exclude)
-        decode, need = self._pick_decode(alive, len(prompt))
+        decode, need = self._pick_decode(alive, len(prompt), resume)
         hashes = prefix_hashes(prompt, cfg.block_size)
-        prefill, reason = self._pick_prefill(alive, prompt, hashes)
+        if resume:
+            prefill, reason = None, reasons.LOCAL_RESUME
+        else:
+            prefill, reason = self._pick_prefill(alive, prompt, hashes)
         doer = prefill if prefill is not None else decode
         hits = self._hits(doer.worker_id, hashes, len(prompt))
         tokens = len(prompt) - hits * cfg.block_size
@@ -231,8 +236,10 @@ class Router:
             return 0
         return min(index.hits(hashes), (num_tokens - 1) // self.config.block_size)
 
-    def _pick_decode(self, alive: list[_Candidate], num_tokens: int) -> tuple[WorkerHandle, int]:
-        """The best decode worker with room, and the blocks the prompt needs on it."""
+    def _pick_decode(self, alive: list[_Candidate], num_tokens: int,
+                     resume: bool = False) -> tuple[WorkerHandle, int]:
+        """The best decode worker with room, and the blocks the prompt needs on it.
+        ``resume``: when none has room, the best one large enough (it queues the stream)."""
         cfg = self.config
         roles = (BOTH,) if cfg.mode == COLOCATED else (DECODE, BOTH)
         pool = [c for c in alive if c[0].role in roles]
@@ -255,6 +262,9 @@ class Router:
                 no_queue += 1
             else:
                 eligible.append((h, load, pending))
+        if not eligible and resume:
+            eligible = [(h, load, self._ledger.pending(h.worker_id)) for h, load in pool
+                        if load.total_blocks >= need[h.worker_id]]
         if not eligible:
             raise ClusterFullError(
                 f"all {len(pool)} decode workers are full ({no_room} without free KV blocks "

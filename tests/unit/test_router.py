@@ -181,7 +181,7 @@ def test_conditional_saturated_prefill_pool_prefills_locally():
     # p1's own pending 64 tokens now push it over: saturated again.
     assert r.route("r3", prompt(64, seed=2), 8).reason == "local_prefill_saturated"
     assert r.decisions == {"remote": 1, "local_short_prompt": 0, "local_prefill_saturated": 2,
-                           "local_prefill_unavailable": 0, "colocated": 0}
+                           "local_prefill_unavailable": 0, "colocated": 0, "local_resume": 0}
 
 
 def test_colocated_uses_the_both_pool_and_no_prefill_worker():
@@ -293,6 +293,27 @@ def test_retry_excludes_the_failed_worker_and_moves_the_promises():
     assert r.release("r1") and not r.release("r1")
     with pytest.raises(KeyError):
         r.retry("r1", {"d0"})
+
+
+def test_a_resumed_stream_is_placed_even_where_the_cache_is_full():
+    """A stream already under way, re-driven: the decode worker prefills prompt + tokens so
+    far itself, and lack of room or a full queue does not cut the stream (the worker queues
+    it until blocks free), but a worker too small for it is never chosen."""
+    d0 = FakeWorker("d0", "decode", total=100, free=3, waiting=8)
+    d1 = FakeWorker("d1", "decode", total=100, free=10, running=2)
+    small = FakeWorker("d2", "decode", total=10, free=10)
+    r = Router(make(max_queued_requests=8), [d0, d1, small, FakeWorker("p0", "prefill")])
+    r.route("r1", prompt(16), 400)
+    resumed = prompt(16) + [5] * 300  # 316 tokens: 20 blocks, more than any has free
+    with pytest.raises(ClusterFullError):
+        r.retry("r1", prompt_token_ids=resumed, max_tokens=100)
+    d = r.retry("r1", prompt_token_ids=resumed, max_tokens=100, resume=True)
+    assert (d.decode, d.prefill, d.reason) == (d1, None, "local_resume")
+    assert r.decisions["local_resume"] == 1
+    summary = r.pending_summary()  # promised to d1 alone: its blocks and tokens to prefill
+    assert (summary["workers"], summary["blocks"], summary["tokens"]) == (1, 20, 316)
+    with pytest.raises(PromptTooLargeError):  # fits no worker at all: still refused
+        r.retry("r1", prompt_token_ids=prompt(16) + [5] * 1600, resume=True)
 
 
 def test_prefill_done_stops_counting_prefill_tokens():

@@ -21,19 +21,22 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=3)
 class Worker:
     def __init__(self, worker_id: str, role: str, rank: int = 0) -> None:
         self.worker_id, self.role, self.rank = worker_id, role, rank
-        self.failures: list[BaseException] = []  # raised by the next calls, in order
+        self.failures: list[BaseException | None] = []  # the next calls raise these in order
+        # (None: that call passes)
         self.calls: list[str] = []
         self.aborted: list[str] = []
         self.aborted_transfers: list[str | None] = []
         self.reserved_transfers: list[str] = []
+        self.free_blocks = 100
 
     def load(self) -> WorkerLoad:
-        return WorkerLoad(self.worker_id, self.role, total_blocks=100, free_blocks=100)
+        return WorkerLoad(self.worker_id, self.role, total_blocks=100,
+                          free_blocks=self.free_blocks)
 
     def _maybe_fail(self, what: str) -> None:
         self.calls.append(what)
-        if self.failures:
-            raise self.failures.pop(0)
+        if self.failures and (failure := self.failures.pop(0)) is not None:
+            raise failure
 
     async def reserve(self, rid, prompt, params, src_rank, transfer_id, lg, checksum):
         self.reserved_transfers.append(transfer_id)
@@ -112,6 +115,18 @@ def test_dead_workers_are_marked_dead_and_with_none_left_the_answer_is_503():
     with pytest.raises(NoWorkersError):  # the gateway's 503 with Retry-After
         asyncio.run(_run(driver, "r2"))
     assert router._dead == {"d0", "d1"} and router.in_flight() == 0
+
+
+def test_a_stream_under_way_moves_to_a_full_decode_worker_instead_of_being_cut():
+    """Token #1 is out when d0 is lost; d1 has no free block: the stream resumes there
+    (prompt + token #1 prefilled by d1 itself, queued until blocks free), never a 429."""
+    router, driver, p, d0, d1 = _cluster()
+    d1.free_blocks = 0  # route() picks d0, the roomier one
+    d0.failures.append(None)  # reserve passes
+    d0.failures.append(WorkerLostError("d0", "the engine loop stopped"))  # decode fails
+    assert asyncio.run(_run(driver)) == [11, 12, 13]
+    assert (p.calls, d0.calls, d1.calls) == (["prefill"], ["reserve", "decode"], ["decode"])
+    assert router.decisions["local_resume"] == 1 and router.in_flight() == 0
 
 
 def test_every_attempt_gets_its_own_transfer_id():
