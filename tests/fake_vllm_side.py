@@ -2,7 +2,8 @@
 
 Speaks the same protocol (``services.bench.side_protocol``). Its timings are fixed so
 that a test can check the driver's arithmetic: every ``generate`` reports
-``FAKE_VLLM_GENERATE_S`` seconds and every ``ttft`` ``FAKE_VLLM_TTFT_S``. It prints on
+``FAKE_VLLM_GENERATE_S`` seconds, and the ``ttft`` calls the comma-separated
+``FAKE_VLLM_TTFT_S`` in turn. It prints on
 stdout as engines do, which must not disturb the protocol. ``FAKE_VLLM_FAIL=load``
 makes loading fail; ``FAKE_VLLM_FAIL=generate:N`` makes the N-th ``generate`` (from 1)
 fail, as an engine dying mid-run would. ``FAKE_VLLM_SPIN_S=S`` keeps a core busy for S
@@ -20,7 +21,7 @@ from typing import Any
 from services.bench.side_protocol import serve
 
 GENERATE_S = float(os.environ.get("FAKE_VLLM_GENERATE_S", "0.5"))
-TTFT_S = float(os.environ.get("FAKE_VLLM_TTFT_S", "0.25"))
+TTFT_S = [float(x) for x in os.environ.get("FAKE_VLLM_TTFT_S", "0.25").split(",")]
 SPIN_S = float(os.environ.get("FAKE_VLLM_SPIN_S", "0"))
 
 
@@ -40,6 +41,7 @@ class FakeBackend:
 
     def __init__(self) -> None:
         self.generated = 0
+        self.ttfts = 0
 
     def generate(self, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
         print("fake vllm: generating")  # stray engine output goes to stderr, not the protocol
@@ -52,7 +54,8 @@ class FakeBackend:
     def ttft(self, prompt: list[int]) -> float:
         assert len(prompt) > 0
         _spin_after_reply()
-        return TTFT_S
+        self.ttfts += 1
+        return TTFT_S[(self.ttfts - 1) % len(TTFT_S)]
 
 
 def load(**req: Any) -> tuple[FakeBackend, dict[str, Any]]:

@@ -49,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runs", type=int, default=3, help="measured runs per side with --vllm-python")
     p.add_argument("--ttft-lens", default="256,1024,4096",
                    help="prompt lengths whose time to first token is measured with --vllm-python")
+    p.add_argument("--ttft-repeats", type=int, default=3,
+                   help="with --vllm-python: TTFT calls per side, prompt length and round, alternating; "
+                        "each round keeps each side's best")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="weights, activations and KV of both sides with --vllm-python (bfloat16 is "
                         "fast on CPUs with AVX-512 BF16 or AMX)")
@@ -147,8 +150,8 @@ def _model_limits(path: str) -> tuple[int, int]:
 
 def main_vllm(args: argparse.Namespace, path: str) -> int:
     """Interleaved runs of tandem and vLLM on the same prompts and thread count."""
-    if args.runs < 1:
-        raise ValueError("--runs must be at least 1")
+    if args.runs < 1 or args.ttft_repeats < 1:
+        raise ValueError("--runs and --ttft-repeats must be at least 1")
     if not os.access(args.vllm_python, os.X_OK) or os.path.isdir(args.vllm_python):
         raise FileNotFoundError(f"--vllm-python {args.vllm_python}: not an executable file")
     vocab, context = _model_limits(path)
@@ -166,7 +169,7 @@ def main_vllm(args: argparse.Namespace, path: str) -> int:
                              ttft_lens=sorted(set(clipped)), runs=args.runs, seed=args.seed,
                              max_model_len=context, onednn=not args.no_onednn,
                              cpu_kernels=not args.no_cpu_kernels, dtype=args.dtype,
-                             weight_layout=args.cpu_weight_layout)
+                             weight_layout=args.cpu_weight_layout, ttft_repeats=args.ttft_repeats)
     print(runinfo.machine_line(), flush=True)
     if clipped != lens:
         print(f"  TTFT lengths clipped to the model's context minus one: {plan.ttft_lens}")
