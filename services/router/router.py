@@ -118,7 +118,7 @@ class Router:
     def retry(self, request_id: str, exclude: Iterable[str] = (), *,
               prompt_token_ids: Sequence[int] | None = None,
               max_tokens: int | None = None, resume: bool = False) -> RouteDecision:
-        """Re-drive a tracked request on other workers (both chosen anew).
+        """Re-drive a tracked request on other workers, chosen anew.
 
         ``exclude`` names workers not to use this time (e.g. the one that
         failed); dead workers are skipped anyway. For a decode worker that died
