@@ -154,8 +154,17 @@ class PrefillWorker(EngineWorker):
             await asyncio.sleep(0.01)
 
     async def abort(self, request_id: str) -> None:
-        """Stop a prefill; KV already queued for sending is freed once the sends end."""
+        """Stop a prefill; KV already queued for sending is freed once the sends end.
+
+        It ends the attempt registered when it is called (or none): the engine runs it
+        between steps, and a re-drive of the request that registers meanwhile (its
+        ``add_request`` queued behind this abort) is not this abort's to end; taking its
+        descriptor would leave its prompt's KV held with no transfer to release it."""
+        attempt = self._descriptors.get(request_id)
+
         def run(e: LLMEngine) -> None:
+            if self._descriptors.get(request_id) is not attempt:
+                return  # a later attempt registered after this abort was asked
             out = self._end_on_engine(e, request_id)
             if out is not None:
                 self.loop.dispatch([out])  # wakes a prefill() waiting on it

@@ -279,3 +279,52 @@ def test_a_step_that_fails_after_its_sends_were_queued_leaves_nothing_held(tiny_
     finally:
         channel.gate.set()  # the real send ends; its report finds the transfer gone
         worker.shutdown()
+
+
+def test_an_abort_queued_behind_a_busy_engine_leaves_a_later_attempt_alone(tiny_model_dir):
+    """The gateway aborts attempt 1 of a request (its prefill had failed) and re-drives it
+    to the same worker at once. The abort runs on the engine thread, behind a step; attempt
+    2 registers its descriptor meanwhile and queues its ``add_request`` behind the abort.
+    The abort must not take attempt 2's descriptor: attempt 2 would be prefilled with no
+    transfer to send and release its KV, held for good."""
+    import asyncio
+
+    from services.common.sampling_params import SamplingParams
+    from services.protocol.messages import KVTransferDescriptor
+    from services.protocol.request_path import PrefillRequest
+
+    worker, channel = _prefill_worker_with_gated_sends(tiny_model_dir)
+    channel.gate.set()  # every send fails at once (the peer left): each report releases
+    layers = worker.engine.model_config.num_layers
+    prompt = tuple(range(3, 23))
+    hold = threading.Event()
+
+    async def main():
+        held = threading.Event()
+        worker.loop.submit(lambda e: (held.set(), hold.wait(30)))
+        assert held.wait(30)  # the engine thread is busy (a long step)
+        abort = asyncio.ensure_future(worker.abort("r"))  # attempt 1's: nothing registered
+        await asyncio.sleep(0.1)
+        second = asyncio.ensure_future(worker.prefill(PrefillRequest(
+            "r", prompt, SamplingParams(temperature=0.0, max_tokens=4), KVTransferDescriptor(
+                request_id="r", transfer_id="r#2", block_ids=(3, 4),
+                layer_groups=((0, layers),), src_rank=0, dst_rank=1,
+                num_prompt_tokens=len(prompt)))))
+        await asyncio.sleep(0.1)
+        assert "r" in worker._descriptors  # attempt 2 registered, its add_request queued
+        hold.set()
+        await abort
+        await second  # prefilled; its send fails and its report frees the KV
+        for _ in range(3000):
+            if not worker.engine.scheduler.seqs and not worker._descriptors:
+                break
+            await asyncio.sleep(0.01)
+
+    try:
+        asyncio.run(main())
+        assert worker.transfer_failures == 1  # attempt 2's transfer was tried
+        assert not worker.engine.scheduler.seqs, "a prefilled request is held for good"
+        assert worker.engine.block_pool.num_free == worker.engine.block_pool.num_blocks
+    finally:
+        hold.set()
+        worker.shutdown()
