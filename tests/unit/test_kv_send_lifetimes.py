@@ -174,6 +174,21 @@ def _prefill_worker_with_gated_sends(tiny_model_dir):
     return worker, channel
 
 
+async def _until_released(worker, timeout_s: float = 30.0) -> None:
+    """Wait (bounded) until the worker holds no request and no transfer descriptor."""
+    import asyncio
+
+    for _ in range(int(timeout_s / 0.01)):
+        if not worker.engine.scheduler.seqs and not worker._descriptors:
+            return
+        await asyncio.sleep(0.01)
+
+
+def _assert_nothing_held(worker) -> None:
+    assert not worker.engine.scheduler.seqs, "a prefilled request is held for good"
+    assert worker.engine.block_pool.num_free == worker.engine.block_pool.num_blocks
+
+
 def test_a_redrive_to_the_same_prefill_worker_waits_for_the_earlier_attempts_release(
         tiny_model_dir):
     """Attempt 1's transfer fails while the engine is busy, so its release is queued; attempt
@@ -213,16 +228,12 @@ def test_a_redrive_to_the_same_prefill_worker_waits_for_the_earlier_attempts_rel
         await asyncio.sleep(0.2)
         hold.set()
         await second  # its own send fails too (the peer is gone) and frees its blocks
-        for _ in range(3000):
-            if not worker.engine.scheduler.seqs and not worker._descriptors:
-                break
-            await asyncio.sleep(0.01)
+        await _until_released(worker)
 
     try:
         asyncio.run(main())
         assert worker.transfer_failures == 2
-        assert not worker.engine.scheduler.seqs, "a prefilled request is held for good"
-        assert worker.engine.block_pool.num_free == worker.engine.block_pool.num_blocks
+        _assert_nothing_held(worker)
     finally:
         worker.shutdown()
 
@@ -274,8 +285,7 @@ def test_a_step_that_fails_after_its_sends_were_queued_leaves_nothing_held(tiny_
     try:
         asyncio.run(main())
         assert worker.loop.failed_steps == 1 and worker.transfer_failures == 1
-        assert not worker.engine.scheduler.seqs, "a prefilled request is held for good"
-        assert worker.engine.block_pool.num_free == worker.engine.block_pool.num_blocks
+        _assert_nothing_held(worker)
     finally:
         channel.gate.set()  # the real send ends; its report finds the transfer gone
         worker.shutdown()
@@ -315,16 +325,12 @@ def test_an_abort_queued_behind_a_busy_engine_leaves_a_later_attempt_alone(tiny_
         hold.set()
         await abort
         await second  # prefilled; its send fails and its report frees the KV
-        for _ in range(3000):
-            if not worker.engine.scheduler.seqs and not worker._descriptors:
-                break
-            await asyncio.sleep(0.01)
+        await _until_released(worker)
 
     try:
         asyncio.run(main())
         assert worker.transfer_failures == 1  # attempt 2's transfer was tried
-        assert not worker.engine.scheduler.seqs, "a prefilled request is held for good"
-        assert worker.engine.block_pool.num_free == worker.engine.block_pool.num_blocks
+        _assert_nothing_held(worker)
     finally:
         hold.set()
         worker.shutdown()
