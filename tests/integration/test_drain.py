@@ -125,6 +125,7 @@ def test_drained_decode_workers_cut_no_stream(ray_session, checkpoint, prompts, 
         for drain_timeout_s, drain in ((60.0, cluster.drain_worker),
                                        (0.0, _drain_through_ray(cluster))):
             redrives_before = cluster.driver.num_redrives
+            resumed_before = cluster.router.decisions["local_resume"]
             outputs, victim, report, seen = asyncio.run(
                 _drain_while_streaming(cluster, prompts, drain_timeout_s, drain))
             assert outputs == reference  # every stream complete, none cut, none diverged
@@ -135,6 +136,9 @@ def test_drained_decode_workers_cut_no_stream(ray_session, checkpoint, prompts, 
                 assert report.idle and report.redriven == 0 and redrives == 0
             else:
                 assert not report.idle and report.redriven >= 1 and redrives >= report.redriven
+                # every stream had tokens out: each re-drive resumed on a decode worker,
+                # placed even where its cache was full at that moment
+                assert cluster.router.decisions["local_resume"] - resumed_before == redrives
             # the actor is gone; the cluster serves on with the workers left
             with pytest.raises(ray.exceptions.RayActorError):
                 ray.get(victim.actor.ready.remote(), timeout=60)
