@@ -71,6 +71,39 @@ def test_decode_worker_killed_mid_stream(cluster, prompts, reference):
     assert all(s["free_blocks"] == s["total_blocks"] for s in survivors)
 
 
+@pytest.mark.parametrize("mode", ["colocated", "conditional"])
+def test_a_worker_killed_mid_stream_in_the_other_modes(ray_session, checkpoint, prompts,
+                                                       reference, mode):
+    """Colocated workers run both phases, and a conditional cluster prefills short prompts
+    on the decode worker: a worker killed with streams under way still costs no token,
+    and each stream already under way resumes on a survivor, which prefills it itself."""
+    from services.cluster.cluster import Cluster
+
+    workers = dict(prefill_workers=1, decode_workers=1) if mode == "colocated" else \
+        dict(prefill_workers=1, decode_workers=2, local_prefill_threshold=40)
+    cluster = Cluster(_config(checkpoint, mode=mode, **workers)).start()
+    try:
+        victim = cluster.decode[0]
+        killed = False
+
+        async def on_progress(got):
+            nonlocal killed
+            if not killed and sum(len(g) >= 3 for g in got) >= len(got) // 2:
+                killed = True
+                ray.kill(victim.actor, no_restart=True)
+
+        got = asyncio.run(_stream_all(cluster, prompts, on_progress))
+        assert killed and got == reference
+        redrives = cluster.driver.num_redrives
+        assert 0 < cluster.router.decisions["local_resume"] <= redrives
+        survivors = [s for s in wait_all_free(cluster) if s["worker_id"] != victim.worker_id]
+        assert survivors and all(
+            s["free_blocks"] == s["total_blocks"] and s["held"] == 0 for s in survivors)
+        assert cluster.router.pending_summary()["requests"] == 0
+    finally:
+        cluster.shutdown()
+
+
 def test_prefill_worker_killed(cluster, prompts, reference):
     victim = cluster.prefill[0]
     ray.kill(victim.actor, no_restart=True)  # the router still believes it alive
