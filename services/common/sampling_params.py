@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 # Bounds every layer applies (the gateway's request schema uses the same numbers).
@@ -22,6 +23,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_TOKEN_ID = 2**31 - 1
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: [-100, 100]
 
 
 class FinishReason(str, enum.Enum):
@@ -47,7 +49,9 @@ class SamplingParams:
 
     ``temperature == 0`` is greedy. ``top_k`` of ``None`` (or 0 / -1, as other
     servers spell it) disables top-k. ``seed`` makes one request reproducible
-    whatever else shares its batch.
+    whatever else shares its batch. ``logit_bias`` maps token ids to a bias added to
+    the model's logits before anything else (a dict, or ``(token id, bias)`` pairs;
+    kept as pairs sorted by id).
     """
 
     n: int = 1
@@ -67,6 +71,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -76,7 +81,14 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         if self.top_k in (0, -1):
             object.__setattr__(self, "top_k", None)
+        bias = self.logit_bias or ()
+        try:
+            pairs = tuple((t, b) for t, b in (bias.items() if isinstance(bias, Mapping) else bias))
+        except (TypeError, ValueError):
+            raise ValueError("logit_bias must map token ids to biases") from None
+        object.__setattr__(self, "logit_bias", pairs)
         self._validate()
+        object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias)))
 
     def _validate(self) -> None:
         _check_number("n", self.n, integer=True)
@@ -125,6 +137,17 @@ class SamplingParams:
             _check_number("stop_token_ids", t, integer=True)
             if not 0 <= t <= MAX_TOKEN_ID:
                 raise ValueError(f"stop_token_ids must be in [0, {MAX_TOKEN_ID}], got {t}")
+        for t, b in self.logit_bias:
+            _check_number("logit_bias token ids", t, integer=True)
+            if not 0 <= t <= MAX_TOKEN_ID:
+                raise ValueError(f"logit_bias token ids must be in [0, {MAX_TOKEN_ID}], got {t}")
+            _check_number("logit_bias values", b)
+            if not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be in [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                                 f"got {b} for token {t}")
+        ids = [t for t, _ in self.logit_bias]
+        if len(set(ids)) != len(ids):
+            raise ValueError("logit_bias names a token id more than once")
         if self.logprobs is not None:
             _check_number("logprobs", self.logprobs, integer=True)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:

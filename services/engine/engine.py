@@ -122,6 +122,9 @@ class LLMEngine:
         bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"stop token id {bad} is outside the vocabulary [0, {vocab})")
+        bad = next((t for t, _ in params.logit_bias if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})")
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int],
                     params: SamplingParams, arrival_time: float | None = None,

@@ -194,7 +194,7 @@ class ModelRunner:
                    r.seq.output_token_ids for r in rows]
         banned = [self._banned(s, len(o)) for s, o in zip(seqs, outputs)]
         simple = all(s.params.greedy and s.params.logprobs is None and not s.params.uses_penalties
-                     for s in seqs) and not any(banned)
+                     and not s.params.logit_bias for s in seqs) and not any(banned)
         if simple:
             return [SampledToken(t, None) for t in self.sampler.argmax(logits).tolist()]
         batch = SamplingBatch(

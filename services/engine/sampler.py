@@ -1,7 +1,8 @@
 """Token sampling for one engine step: penalties, masks, seeded draws, logprobs.
 
-Pipeline per row (vLLM / HF order): repetition penalty -> presence/frequency
-penalties -> banned ids -> temperature -> top-k -> top-p -> min-p -> sample.
+Pipeline per row (vLLM's order): logit bias -> repetition penalty ->
+presence/frequency penalties -> banned ids -> temperature -> top-k -> top-p ->
+min-p -> sample.
 Greedy rows (``temperature == 0``) take the argmax of the penalised logits and
 consume no randomness. Random rows use the exponential race
 (``argmax(probs / Exp(1))``). A seeded row's noise for output token ``i`` is drawn
@@ -9,7 +10,7 @@ from a generator keyed by ``(seed, i)`` alone (counter-based, see
 :func:`noise_key`): the draw depends on nothing else that shares the batch or on
 what ran before, so the same request gives the same tokens on one engine, across a
 prefill -> decode hand-off, after preemption and after a re-drive on another worker.
-Logprobs come from the raw logits (before penalties, temperature and masks).
+Logprobs come from the raw logits (before bias, penalties, temperature and masks).
 """
 
 from __future__ import annotations
@@ -91,6 +92,19 @@ def _flat_index(seqs: Sequence[Sequence[int]], vocab_size: int,
     row = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(lengths, dtype=torch.long))  # [N]
     ok = (tok >= 0) & (tok < vocab_size)
     return row[ok].to(device), tok[ok].to(device)
+
+
+def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Add each row's ``logit_bias`` to its logits [B, V]; returns a new tensor if any apply."""
+    pairs = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias]
+    if not pairs:
+        return logits
+    dev = logits.device
+    rows, ids, biases = zip(*pairs)
+    out = logits.clone()
+    out[torch.tensor(rows, device=dev), torch.tensor(ids, device=dev)] += torch.tensor(
+        biases, dtype=logits.dtype, device=dev)  # (row, id) pairs are unique
+    return out
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -217,7 +231,8 @@ class Sampler:
                     f"SamplingBatch.{name} has {len(getattr(batch, name))} rows, logits have {bsz}")
         dev = logits.device
         raw = logits.float()  # [B, V]
-        x = apply_banned(apply_penalties(raw, batch), batch.banned_token_ids)  # [B, V]
+        x = apply_logit_bias(raw, batch.params)  # [B, V]
+        x = apply_banned(apply_penalties(x, batch), batch.banned_token_ids)
 
         params = batch.params
         rand = [i for i, p in enumerate(params) if not p.greedy]

@@ -150,11 +150,31 @@ def _apply_limits(node: Any, limits: dict[str, int]) -> None:
     if not isinstance(node, dict):
         return
     name = node.pop("x-limit", None)
-    if name is not None:
+    if name == "token_id_key":
+        node["pattern"] = integer_below_pattern(limits["vocab"])
+    elif name is not None:
         key = "maxItems" if node.get("type") == "array" else "maximum"
         node[key] = min(node.get(key, limits[name]), limits[name])
     for value in node.values():
         _apply_limits(value, limits)
+
+
+def integer_below_pattern(n: int) -> str:
+    """A regex matching exactly the decimal integers in [0, n) (no sign, no leading zeros)."""
+    if n < 1:
+        raise ValueError(f"no integer is below {n}")
+    top = str(n - 1)
+    alts = ["0"] if n > 1 else []
+    if len(top) > 1:  # every shorter number
+        alts.append("[1-9]" + (f"[0-9]{{0,{len(top) - 2}}}" if len(top) > 2 else ""))
+    for i, digit in enumerate(top):  # as long as the top: below it from digit i on
+        low = 1 if i == 0 else 0
+        if int(digit) > low:
+            hi = int(digit) - 1
+            alts.append(top[:i] + (f"[{low}-{hi}]" if hi > low else str(low)) +
+                        (f"[0-9]{{{len(top) - i - 1}}}" if i < len(top) - 1 else ""))
+    alts.append(top)
+    return "^(" + "|".join(dict.fromkeys(alts)) + ")$"
 
 
 # top_logprobs > 0 needs logprobs: true (JSON Schema's if/then, so clients and fuzzers know)

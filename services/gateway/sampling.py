@@ -7,7 +7,8 @@ from services.gateway.errors import bad_request
 from services.gateway.schemas import SamplingFields
 
 _FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-           "repetition_penalty", "seed", "max_tokens", "min_tokens", "stop", "stop_token_ids", "logprobs")
+           "repetition_penalty", "seed", "max_tokens", "min_tokens", "stop", "stop_token_ids", "logprobs",
+           "logit_bias")
 
 
 def check_common(req: SamplingFields, *, max_n: int, vocab_size: int, max_model_len: int) -> int:
@@ -27,6 +28,10 @@ def check_common(req: SamplingFields, *, max_n: int, vocab_size: int, max_model_
         if t >= vocab_size:
             raise bad_request(f"stop_token_ids contains {t}, outside the vocabulary [0, {vocab_size})",
                               param="stop_token_ids")
+    for key in req.logit_bias or {}:
+        if int(key) >= vocab_size:
+            raise bad_request(f"logit_bias names token id {key}, outside the vocabulary [0, {vocab_size})",
+                              param="logit_bias")
     return n
 
 
@@ -71,6 +76,7 @@ def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | Non
         "ignore_eos": bool(req.ignore_eos),
         "include_stop_str_in_output": bool(req.include_stop_str_in_output),
         "skip_special_tokens": req.skip_special_tokens is not False,
+        "logit_bias": {int(k): v for k, v in (req.logit_bias or {}).items()},
     }
     try:
         return SamplingParams(**kwargs)

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 from pydantic.json_schema import SkipJsonSchema
 
-from services.common.sampling_params import (MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_SEED,
+from services.common.sampling_params import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_SEED,
                                              MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
                                              MAX_TEMPERATURE, MAX_TOKEN_ID, MAX_TOKENS_LIMIT, MAX_TOP_K,
                                              MIN_REPETITION_PENALTY, MIN_TEMPERATURE)
@@ -27,7 +27,8 @@ _STRICT = ConfigDict(strict=True, extra="ignore")
 def limit(name: str) -> dict[str, Any]:
     """Marks a schema node whose bound depends on the served model or the server (see openapi.py):
     ``vocab`` (maximum: the vocabulary size), ``token_id`` (maximum: vocabulary - 1),
-    ``context`` (maximum / maxItems: the context length - 1), ``max_n``, ``max_prompts``."""
+    ``context`` (maximum / maxItems: the context length - 1), ``max_n``, ``max_prompts``,
+    ``token_id_key`` (pattern: a token id of the vocabulary written as an object key)."""
     return {"x-limit": name}
 
 
@@ -73,6 +74,11 @@ TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_TOKENS_LI
 Temperature = Annotated[float, Field(ge=0, le=MAX_TEMPERATURE), AfterValidator(_temperature), WithJsonSchema(
     {"anyOf": [{"const": 0}, {"type": "number", "minimum": MIN_TEMPERATURE, "maximum": MAX_TEMPERATURE}]})]
 Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
+# Object keys naming token ids ("42"): decimal, no leading zeros; the served vocabulary bounds them.
+TokenIdKey = Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,9})$", json_schema_extra=limit("token_id_key"))]
+LogitBias = Annotated[dict[TokenIdKey, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]],
+                      Field(description="Token id (as a string) -> a bias in [-100, 100] added to its logit "
+                            "before sampling: -100 bans the token, 100 all but forces it.")]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 NonEmptyText = Annotated[str, Field(min_length=1)]
 
@@ -116,8 +122,7 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool | None = False
     skip_special_tokens: bool | None = True
     user: str | None = Field(None, description="Accepted and ignored.")
-    logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = Field(
-        None, description="Not supported: must be empty.")
+    logit_bias: LogitBias | None = None
 
 
 class CompletionRequest(SamplingFields):

@@ -79,6 +79,11 @@ def cases(offline) -> list[Case]:
         Case("penalties", "1, 2, 3,", SamplingParams(temperature=0.7, seed=5, max_tokens=20,
                                                       presence_penalty=1.5, frequency_penalty=1.0,
                                                       repetition_penalty=1.3)),
+        # logit_bias: the same ids steer the prefill worker's token #1 and every decode step
+        Case("logit-bias", base, _greedy(16, logit_bias={greedy.token_ids[1]: -100.0, greedy.token_ids[5]: 4.0})),
+        Case("logit-bias-seeded", "Once upon a time",
+             SamplingParams(temperature=1.0, seed=21, max_tokens=16, logprobs=1,
+                            logit_bias={t: -100.0 for t in greedy.token_ids[:6]})),
         Case("logprobs", base, _greedy(8, logprobs=3)),
         Case("seed-logprobs", base, SamplingParams(temperature=1.0, seed=3, max_tokens=8, logprobs=2)),
         Case("context-limit", [rng.randrange(2, VOCAB) for _ in range(CONTEXT - 9)], _greedy(9)),
@@ -110,6 +115,8 @@ def request_kwargs(case: Case) -> dict:
     kw = dict(model=MODEL, max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, n=p.n,
               seed=p.seed, presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
               stop=list(p.stop) or None)
+    if p.logit_bias:
+        kw["logit_bias"] = {str(t): b for t, b in p.logit_bias}
     if p.logprobs is not None:
         kw.update(logprobs=True, top_logprobs=p.logprobs) if case.chat else kw.update(logprobs=p.logprobs)
     extra = {k: getattr(p, k) for k in EXTRAS if getattr(p, k) != getattr(SamplingParams(), k)}

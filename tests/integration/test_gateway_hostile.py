@@ -75,7 +75,11 @@ HOSTILE_COMPLETIONS = [
     (completion(prompt=[[5]] * 10_000), "prompt"), (completion(prompt=["a"] * MAX_PROMPTS, n=MAX_N + 1), "n"),
     # shapes
     (completion(prompt=[[[5]]]), "prompt"), (completion(prompt={"text": "x"}), "prompt"),
-    (completion(logit_bias={"5": 100}), "logit_bias"), (completion(echo=True), "echo"),
+    (completion(echo=True), "echo"),
+    # logit_bias: an id per key, in the vocabulary, with a bias in [-100, 100]
+    (completion(logit_bias={str(i): 1 for i in range(100_000)}), "logit_bias"),
+    (completion(logit_bias={"5": 1e308}), "logit_bias"), (completion(logit_bias={"1e3": 1}), "logit_bias"),
+    (completion(logit_bias={"5": "1"}), "logit_bias"), (completion(logit_bias=[[5, 1]]), "logit_bias"),
 ]
 HOSTILE_RAW = [  # NaN / Infinity are not JSON, but Python's parser takes them: they must not get through
     (raw(temperature="NaN"), "temperature"), (raw(top_p="NaN"), "top_p"), (raw(min_p="Infinity"), "min_p"),

@@ -391,6 +391,12 @@ BAD_PARAMS = [
     (dict(stop=[""]), "stop strings"),
     (dict(stop=["ok", 5]), "stop strings"),
     (dict(stop_token_ids=[-2]), "stop_token_ids"),
+    (dict(logit_bias={5: 100.5}), "logit_bias values"),
+    (dict(logit_bias={5: float("nan")}), "logit_bias values"),
+    (dict(logit_bias={-1: 1.0}), "logit_bias token ids"),
+    (dict(logit_bias={"5": 1.0}), "logit_bias token ids"),
+    (dict(logit_bias=[(5, 1.0), (5, 2.0)]), "more than once"),
+    (dict(logit_bias=[5]), "must map"),
 ]
 
 
@@ -411,6 +417,27 @@ def test_valid_sampling_param_spellings():
     assert SamplingParams(stop_token_ids=[5, 6]).stop_token_ids == (5, 6)
     assert SamplingParams(temperature=0).greedy and not SamplingParams().greedy
     assert SamplingParams(max_tokens=None).max_tokens is None
+    assert SamplingParams(logit_bias={5: 1, 2: -1.5}).logit_bias == ((2, -1.5), (5, 1))
+    assert SamplingParams(logit_bias=[(5, 1), (2, -1.5)]) == SamplingParams(logit_bias={2: -1.5, 5: 1})
+    assert SamplingParams(logit_bias=None).logit_bias == ()
+
+
+def test_logit_bias_bans_and_forces_tokens(llm):
+    plain = first(llm.generate(PROMPTS[0], GREEDY)[0]).token_ids
+    banned = first(llm.generate(PROMPTS[0], dataclasses.replace(
+        GREEDY, logit_bias={t: -100.0 for t in plain[:3]}))[0]).token_ids
+    assert not set(plain[:3]) & set(banned)
+    forced = first(llm.generate(PROMPTS[0], dataclasses.replace(GREEDY, logit_bias={77: 100.0}))[0])
+    assert set(forced.token_ids) == {77}
+    assert_clean(llm)
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused_before_queueing(llm):
+    steps = llm.engine.num_steps
+    with pytest.raises(ValueError, match="logit_bias token id 1024 is outside the vocabulary"):
+        llm.generate(PROMPTS[0], dataclasses.replace(GREEDY, logit_bias=((3, 1.0), (1024, 5.0))))
+    assert llm.engine.num_steps == steps
+    assert_clean(llm)
 
 
 def test_stop_strings_work_end_to_end(llm):

@@ -20,7 +20,7 @@ from tests.integration.test_cluster import run_all, wait_all_free
 
 PARAMS = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
           SamplingParams(temperature=0.9, top_k=50, seed=5, max_tokens=24, ignore_eos=True,
-                         frequency_penalty=0.3)]
+                         frequency_penalty=0.3, logit_bias={7: 2.0, 11: -100.0})]
 
 
 def _prompts() -> list[list[int]]:

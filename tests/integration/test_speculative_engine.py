@@ -114,11 +114,13 @@ SEEDED = [
                    repetition_penalty=1.3),
     SamplingParams(temperature=1.0, seed=5, max_tokens=30, min_tokens=20, logprobs=0),
     SamplingParams(temperature=0.0, max_tokens=30, repetition_penalty=1.5, min_tokens=10),
+    SamplingParams(temperature=0.9, seed=3, max_tokens=30, ignore_eos=True,
+                   logit_bias={5: 3.0, 17: -100.0, 40: 2.0}),
 ]
 
 
 def test_seeded_and_penalised_identical_with_speculation(checkpoint):
-    """Seeds, penalties, masks, min_tokens and logprobs: the same stream, token for token."""
+    """Seeds, penalties, logit bias, masks, min_tokens and logprobs: the same stream, token for token."""
     prompts = _prompts()
     _compare(checkpoint, [SEEDED[i % len(SEEDED)] for i in range(len(prompts))])
 

@@ -11,6 +11,7 @@ from services.common.sampling_params import SamplingParams
 from services.engine.sampler import (
     Sampler,
     SamplingBatch,
+    apply_logit_bias,
     apply_penalties,
     apply_sampling_masks,
     noise_key,
@@ -263,6 +264,46 @@ def test_banned_ids_never_sampled():
     out = s(many, batch([P(temperature=1.0)] * n, banned=[[2, 5]] * n))
     assert set(out.token_ids) == {0, 1, 3, 4}
     assert s(logits, batch([P(temperature=0.0)], banned=[[99, -1]])).token_ids == [0]  # out of range ignored
+
+
+def test_logit_bias_adds_to_its_own_row_before_the_penalties():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]] * 3)
+    params = [P(logit_bias={3: -4.0, 1: 2.5}), P(), P(logit_bias={0: 1.0}, repetition_penalty=2.0)]
+    out = apply_logit_bias(logits, params)
+    assert out[0].tolist() == [2.0, 1.5, 0.5, -1.0]
+    assert out[1].tolist() == logits[1].tolist() and out[2].tolist() == [3.0, -1.0, 0.5, 3.0]
+    assert logits[0].tolist() == [2.0, -1.0, 0.5, 3.0]  # input not modified
+    assert apply_logit_bias(logits, [P(), P(), P()]) is logits
+    # biased first, then penalised: (2 + 1) / 2 for the seen token 0
+    s = Sampler(seed=0)
+    b = batch([P(temperature=0.0, logit_bias={0: 1.0}, repetition_penalty=2.0)], prompts=[[0]])
+    assert s(logits[:1], b).token_ids == [3]  # 1.5 < 3
+
+
+def test_logit_bias_forces_and_bans_tokens_greedy_seeded_and_random():
+    torch.manual_seed(1)
+    logits = torch.randn(1, 50)
+    top = int(logits.argmax())
+    s = Sampler(seed=0)
+    assert s(logits, batch([P(temperature=0.0, logit_bias={7: 100.0})])).token_ids == [7]
+    assert s(logits, batch([P(temperature=0.0, logit_bias={top: -100.0})])).token_ids != [top]
+    n = 2000
+    many = logits.expand(n, -1).clone()
+    banned = {top: -100.0, 3: -100.0}
+    assert not {top, 3} & set(s(many, batch([P(temperature=1.0, logit_bias=banned)] * n)).token_ids)
+    seeded = [P(temperature=1.0, seed=i, logit_bias={9: 100.0}) for i in range(20)]
+    assert set(s(logits.expand(20, -1).clone(), batch(seeded)).token_ids) == {9}
+    # a seeded row draws the same token alone or beside other rows
+    row = P(temperature=1.0, seed=5, logit_bias={2: 3.0, 4: 3.0})
+    alone = s(logits, batch([row])).token_ids
+    assert s(logits.expand(3, -1).clone(), batch([P(), row, P(temperature=0.0)])).token_ids[1] == alone[0]
+
+
+def test_logit_bias_leaves_logprobs_raw():
+    logits = torch.tensor([[0.0, 1.0, 2.0]])
+    out = Sampler(seed=0)(logits, batch([P(temperature=0.0, logprobs=1, logit_bias={0: 100.0})]))
+    assert out.token_ids == [0]
+    assert out.logprobs[0].logprob == pytest.approx(torch.log_softmax(logits, -1)[0, 0].item())
 
 
 # --- logprobs ---------------------------------------------------------------
