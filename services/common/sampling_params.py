@@ -24,6 +24,7 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_TOKEN_ID = 2**31 - 1
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: [-100, 100]
+MAX_LOGIT_BIAS_TOKENS = 1024  # each step re-applies them: bounded per request
 
 
 class FinishReason(str, enum.Enum):
@@ -145,6 +146,8 @@ class SamplingParams:
             if not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
                 raise ValueError(f"logit_bias values must be in [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
                                  f"got {b} for token {t}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS_TOKENS} token ids, got {len(self.logit_bias)}")
         ids = [t for t, _ in self.logit_bias]
         if len(set(ids)) != len(ids):
             raise ValueError("logit_bias names a token id more than once")

@@ -16,7 +16,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 from pydantic.json_schema import SkipJsonSchema
 
-from services.common.sampling_params import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_SEED,
+from services.common.sampling_params import (MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, MAX_LOGPROBS, MAX_PENALTY,
+                                             MAX_REPETITION_PENALTY, MAX_SEED,
                                              MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
                                              MAX_TEMPERATURE, MAX_TOKEN_ID, MAX_TOKENS_LIMIT, MAX_TOP_K,
                                              MIN_REPETITION_PENALTY, MIN_TEMPERATURE)
@@ -77,7 +78,8 @@ Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
 # Object keys naming token ids ("42"): decimal, no leading zeros; the served vocabulary bounds them.
 TokenIdKey = Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,9})$", json_schema_extra=limit("token_id_key"))]
 LogitBias = Annotated[dict[TokenIdKey, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]],
-                      Field(description="Token id (as a string) -> a bias in [-100, 100] added to its logit "
+                      Field(max_length=MAX_LOGIT_BIAS_TOKENS,
+                            description="Token id (as a string) -> a bias in [-100, 100] added to its logit "
                             "before sampling: -100 bans the token, 100 all but forces it.")]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 NonEmptyText = Annotated[str, Field(min_length=1)]

@@ -71,6 +71,7 @@ BAD_COMPLETIONS = [
     (completion(logit_bias={"x": 1}), "logit_bias"),
     (completion(logit_bias={"5": 100.5}), "logit_bias"),
     (completion(logit_bias={"5": True}), "logit_bias"),
+    (completion(logit_bias={str(t): 1 for t in range(1025)}), "logit_bias"),
     (completion(stream_options={"include_usage": "yes"}, stream=True), "stream_options"),
     ({"prompt": "no model"}, "model"),
     ({"model": 5, "prompt": "x"}, "model"),

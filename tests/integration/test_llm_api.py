@@ -397,6 +397,7 @@ BAD_PARAMS = [
     (dict(logit_bias={"5": 1.0}), "logit_bias token ids"),
     (dict(logit_bias=[(5, 1.0), (5, 2.0)]), "more than once"),
     (dict(logit_bias=[5]), "must map"),
+    (dict(logit_bias={t: 1.0 for t in range(1025)}), "at most 1024"),
 ]
 
 
