@@ -11,6 +11,8 @@ state.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from services.gateway import ServerThread, create_app
@@ -108,6 +110,12 @@ def test_the_schema_states_what_is_accepted(api, tiny_model_dir):
     assert bound(comp["properties"], "n") == 4 and bound(comp["properties"], "max_tokens") == 63
     assert bound(chat["properties"], "max_completion_tokens") == 63
     assert bound(comp["properties"], "top_k") == Tokenizer.from_dir(tiny_model_dir).vocab_size
+    (bias,) = [b for b in chat["properties"]["logit_bias"]["anyOf"] if b.get("type") == "object"]
+    keys = re.compile(bias["propertyNames"]["pattern"])  # token ids of the vocabulary, no other spelling
+    vocab = Tokenizer.from_dir(tiny_model_dir).vocab_size
+    assert [k for k in range(vocab + 100) if keys.match(str(k))] == list(range(vocab))
+    assert not any(keys.match(k) for k in ("01", "-1", "1.0", "", "1e3"))
+    assert bias["maxProperties"] == 1024
     roles = {}
     for ref in chat["properties"]["messages"]["items"]["oneOf"]:
         message = comps[ref["$ref"].rsplit("/", 1)[1]]

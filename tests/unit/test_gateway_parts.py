@@ -259,3 +259,17 @@ def test_seeds_are_json_integers_at_the_gateway_and_63_bit_in_sampling_params():
     for seed in (-1, 2**63):
         with pytest.raises(ValueError):
             SamplingParams(seed=seed)
+
+
+@pytest.mark.parametrize("n", [1, 2, 9, 10, 11, 100, 101, 1000, 1024, 32000, 49152, 128256])
+def test_the_token_id_key_pattern_matches_exactly_the_ids_below_the_vocabulary(n):
+    import random
+    import re
+
+    from services.gateway.openapi import integer_below_pattern
+
+    pattern = re.compile(integer_below_pattern(n))
+    rng = random.Random(n)
+    for k in [*range(min(n + 30, 2100)), *(rng.randrange(10 * n + 10) for _ in range(2000)), n, n + 1, 10 * n]:
+        assert bool(pattern.fullmatch(str(k))) == (k < n), (n, k)
+    assert not any(pattern.fullmatch(s) for s in ("00", "01", "-1", "+1", "1.0", "", " 1", "1e2"))
