@@ -138,6 +138,9 @@ class SamplingParams:
             _check_number("stop_token_ids", t, integer=True)
             if not 0 <= t <= MAX_TOKEN_ID:
                 raise ValueError(f"stop_token_ids must be in [0, {MAX_TOKEN_ID}], got {t}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS_TOKENS} token ids, "
+                             f"got {len(self.logit_bias)}")
         for t, b in self.logit_bias:
             _check_number("logit_bias token ids", t, integer=True)
             if not 0 <= t <= MAX_TOKEN_ID:
@@ -146,8 +149,6 @@ class SamplingParams:
             if not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
                 raise ValueError(f"logit_bias values must be in [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
                                  f"got {b} for token {t}")
-        if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
-            raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS_TOKENS} token ids, got {len(self.logit_bias)}")
         ids = [t for t, _ in self.logit_bias]
         if len(set(ids)) != len(ids):
             raise ValueError("logit_bias names a token id more than once")
