@@ -53,18 +53,23 @@ async def _stream_all(cluster, prompts, on_progress):
     return got
 
 
-def test_decode_worker_killed_mid_stream(cluster, prompts, reference):
-    victim = cluster.decode[0]
-    killed = False
+def _stream_all_killing(cluster, prompts, victim):
+    """Stream every prompt; kill ``victim`` once half the streams have 3 tokens."""
+    killed = []
 
     async def on_progress(got):
-        nonlocal killed
         if not killed and sum(len(g) >= 3 for g in got) >= len(got) // 2:
-            killed = True
+            killed.append(victim.worker_id)
             ray.kill(victim.actor, no_restart=True)
 
     got = asyncio.run(_stream_all(cluster, prompts, on_progress))
-    assert killed
+    assert killed, "the streams ended before the kill"
+    return got
+
+
+def test_decode_worker_killed_mid_stream(cluster, prompts, reference):
+    victim = cluster.decode[0]
+    got = _stream_all_killing(cluster, prompts, victim)
     assert got == reference
     assert cluster.driver.num_redrives > 0
     survivors = [s for s in wait_all_free(cluster) if s["worker_id"] != victim.worker_id]
@@ -84,16 +89,7 @@ def test_a_worker_killed_mid_stream_in_the_other_modes(ray_session, checkpoint, 
     cluster = Cluster(_config(checkpoint, mode=mode, **workers)).start()
     try:
         victim = cluster.decode[0]
-        killed = False
-
-        async def on_progress(got):
-            nonlocal killed
-            if not killed and sum(len(g) >= 3 for g in got) >= len(got) // 2:
-                killed = True
-                ray.kill(victim.actor, no_restart=True)
-
-        got = asyncio.run(_stream_all(cluster, prompts, on_progress))
-        assert killed and got == reference
+        assert _stream_all_killing(cluster, prompts, victim) == reference
         redrives = cluster.driver.num_redrives
         assert 0 < cluster.router.decisions["local_resume"] <= redrives
         survivors = [s for s in wait_all_free(cluster) if s["worker_id"] != victim.worker_id]
