@@ -1,6 +1,6 @@
 """The packed fp32 linear (csrc/packed_linear.c): the product of the plain weight for
 every row count and shape edge, each row's result independent of its batch, on the
-AVX-512 build and on the portable one."""
+AVX-512 build and on the portable one; and the gate|up product fused with SiLU·mul."""
 
 from __future__ import annotations
 
@@ -99,3 +99,28 @@ def test_the_portable_build_computes_the_same(tmp_path):
         batch = portable.linear(x, packed, b, 161)
         torch.testing.assert_close(batch, native.linear(x, packed, b, 161), atol=1e-5, rtol=1e-5)
         assert torch.equal(portable.linear(x[7:8].contiguous(), packed, b, 161)[0], batch[7])
+    from services.engine.model import cpu_kernels
+
+    w, b, gen = _case(128, 70, bias=True)  # gate|up of 64 channels each
+    packed = native.pack(w)
+    for rows in (3, 130):
+        x = torch.randn(rows, 70, generator=gen)
+        want = cpu_kernels.load().silu_mul(portable.linear(x, packed, b, 128))
+        assert torch.equal(portable.gate_up_silu(x, packed, b, 128), want)
+
+
+@pytest.mark.parametrize("inter,k", [(32, 17), (160, 64), (1536, 576)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_fused_gate_up_silu_is_bit_identical_to_the_product_then_silu_mul(inter, k, bias):
+    from services.engine.model import cpu_kernels
+
+    kernels, native = packed_linear.load(), cpu_kernels.load()
+    w, b, gen = _case(2 * inter, k, bias)
+    packed = kernels.pack(w)
+    for rows in (1, 5, 6, 7, 14, 127, 128, 169, 301):
+        x = torch.randn(rows, k, generator=gen)
+        want = native.silu_mul(kernels.linear(x, packed, b, 2 * inter))
+        assert torch.equal(kernels.gate_up_silu(x, packed, b, 2 * inter), want), rows
+    assert kernels.gate_up_silu(x[:0], packed, b, 2 * inter).shape == (0, inter)
+    with pytest.raises(ValueError, match="whole pairs of panels"):
+        kernels.gate_up_silu(x, kernels.pack(w[:2 * inter - 32]), None, 2 * inter - 32)

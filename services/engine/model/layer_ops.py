@@ -59,10 +59,16 @@ class NativeLayerOps(TorchLayerOps):
 
     def mlp(self, h: torch.Tensor, gate_up: torch.nn.Module,
             down: torch.nn.Module) -> torch.Tensor:
-        """With bf16 weights on oneDNN, gate|up stays bf16 into SiLU·mul and its bf16
-        result goes to ``down`` as is: the values ``down`` would get from the widened
-        product (it rounds its input to bf16 anyway), in half the memory traffic."""
+        """On packed weights the gate|up product and SiLU·mul are one native call (the
+        product is not written out; the same values). With bf16 weights on oneDNN, gate|up
+        stays bf16 into SiLU·mul and its bf16 result goes to ``down`` as is: the values
+        ``down`` would get from the widened product (it rounds its input to bf16 anyway), in
+        half the memory traffic."""
         rows = h.shape[0]
+        if isinstance(gate_up, CpuLinear) and gate_up.packed is not None \
+                and gate_up.packed.fuses_gate_up(gate_up.out_features):  # SiLU·mul in the product
+            return down(gate_up.packed.gate_up_silu(h.contiguous(), gate_up.weight, gate_up.bias,
+                                                     gate_up.out_features))
         if isinstance(gate_up, CpuLinear) and isinstance(down, CpuLinear) \
                 and gate_up.weight.dtype == down.weight.dtype == torch.bfloat16 \
                 and gate_up.runs_on_onednn(rows) and down.runs_on_onednn(rows):

@@ -33,6 +33,9 @@ class PackedKernels:
         self._linear = kernels.lib.tandem_packed_linear_f32
         self._linear.restype = None
         self._linear.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]
+        self._gate_up_silu = kernels.lib.tandem_packed_gate_up_silu_f32
+        self._gate_up_silu.restype = None
+        self._gate_up_silu.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """``weight [N, K]`` fp32 -> its packed copy ``[ceil(N / 32), K, 32]``."""
@@ -47,6 +50,15 @@ class PackedKernels:
     def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
                n_out: int) -> torch.Tensor:
         """``x [M, K] @ W.T + bias`` -> ``[M, n_out]`` fp32, with ``packed`` from ``pack(W)``."""
+        self._check(x, packed, bias, n_out)
+        out = x.new_empty(x.shape[0], n_out)
+        if x.shape[0]:
+            self._linear(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                         out.data_ptr(), x.shape[0], n_out, x.shape[1])
+        return out
+
+    @staticmethod
+    def _check(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n_out: int) -> None:
         for t in (x, packed, *(() if bias is None else (bias,))):
             if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
                 raise ValueError("packed linears need contiguous fp32 CPU tensors")
@@ -56,10 +68,25 @@ class PackedKernels:
                 or (bias is not None and bias.shape != (n_out,)):
             raise ValueError(f"packed linear: x {tuple(x.shape)}, packed {tuple(packed.shape)}, "
                              f"{n_out} outputs do not fit")
-        out = x.new_empty(x.shape[0], n_out)
+
+    @staticmethod
+    def fuses_gate_up(n_out: int) -> bool:
+        """Whether a gate|up product of ``n_out`` outputs can run as ``gate_up_silu``: its gate
+        and up halves start on panel boundaries."""
+        return n_out % (2 * PANEL) == 0
+
+    def gate_up_silu(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                     n_out: int) -> torch.Tensor:
+        """``silu(gate) * up`` of the fused product ``x [M, K] @ W.T + bias`` (``W [n_out, K]``,
+        gate rows then up rows, packed by ``pack``) -> ``[M, n_out / 2]``, bit-identical to
+        ``linear`` then ``CpuKernels.silu_mul`` but without the product written out."""
+        if not self.fuses_gate_up(n_out):
+            raise ValueError(f"gate|up fusion needs outputs in whole pairs of panels, got {n_out}")
+        self._check(x, packed, bias, n_out)
+        out = x.new_empty(x.shape[0], n_out // 2)
         if x.shape[0]:
-            self._linear(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
-                         out.data_ptr(), x.shape[0], n_out, x.shape[1])
+            self._gate_up_silu(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                               out.data_ptr(), x.shape[0], n_out // 2, x.shape[1])
         return out
 
 

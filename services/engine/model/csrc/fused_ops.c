@@ -8,7 +8,7 @@
 #include "kernels.h"
 #include "kv_load.h"
 #include "team.h"
-#include "vexp.h"
+#include "silu.h"
 
 /* x[t] += delta[t] (when delta is given), then out[t] = w * (x[t] * rsqrt(mean(x[t]^2) + eps)).
  * x, delta, out: [T, dim] contiguous; w: [dim]. */
@@ -66,10 +66,8 @@ static inline float tandem_store_f32(float f) { return f; }
             const T *restrict g = gu + t * 2 * inter, *restrict u = g + inter;            \
             T *restrict o = out + t * inter;                                              \
             _Pragma("omp simd")                                                           \
-            for (int64_t i = 0; i < inter; ++i) {                                         \
-                const float x = load(g + i);                                              \
-                o[i] = store(x / (1.f + tandem_expf(-x)) * load(u + i));                  \
-            }                                                                             \
+            for (int64_t i = 0; i < inter; ++i)                                           \
+                o[i] = store(tandem_silu_mul1(load(g + i), load(u + i)));                 \
         }                                                                                 \
     }
 

@@ -26,6 +26,8 @@ int tandem_gemv_bf16(const float *x, const uint16_t *w, const float *bias, float
 void tandem_pack_linear_f32(const float *w, float *packed, int64_t n_out, int64_t k_in);
 void tandem_packed_linear_f32(const float *x, const float *packed, const float *bias, float *y,
                               int64_t m_rows, int64_t n_out, int64_t k_in);
+void tandem_packed_gate_up_silu_f32(const float *x, const float *packed, const float *bias, float *out,
+                                    int64_t m_rows, int64_t inter, int64_t k_in);
 
 /* paged_decode.c */
 int tandem_paged_decode_f32(const float *q, int64_t q_stride, float *out, const int64_t *rows,

@@ -24,6 +24,7 @@
 #include <stdint.h>
 
 #include "kernels.h"
+#include "silu.h"
 #include "team.h"
 
 #define NR TANDEM_PACK_WIDTH /* output channels per panel */
@@ -172,6 +173,58 @@ void tandem_packed_linear_f32(const float *x, const float *packed, const float *
                 for (int64_t i = i0; i < i1; i += MR)
                     tile_rows(x + i * k_in, k_in, packed + j * k_in * NR, bias ? bias + n : NULL,
                               y + i * n_out + n, n_out, cols, (int)(i1 - i < MR ? i1 - i : MR));
+            }
+        }
+    }
+}
+
+/* out[r][i] = silu(g[r][i]) * u[r][i] for r < rows, i < NR: ``gu`` holds a tile's [rows][2 * NR],
+ * gate then up. */
+static void silu_mul_rows(const float *gu, float *out, int64_t out_stride, int rows) {
+    for (int r = 0; r < rows; ++r) {
+        const float *g = gu + r * 2 * NR, *u = g + NR;
+        float *o = out + r * out_stride;
+#pragma omp simd
+        for (int c = 0; c < NR; ++c) o[c] = tandem_silu_mul1(g[c], u[c]);
+    }
+}
+
+/* The MLP's SiLU·mul on the fused gate|up product, without writing the product out:
+ * ``packed`` is the packed [2 * inter, K] gate|up weight (inter a multiple of 32, so gate
+ * panel j and up panel j + inter / 32 hold the same channels), ``bias`` [2 * inter] or NULL,
+ * out [M, inter] = silu(x @ Wg.T + bg) * (x @ Wu.T + bu). Each product is the FMA chain
+ * tandem_packed_linear_f32 computes and the SiLU·mul tandem_silu_mul_f32's, so the result
+ * is bit-identical to those two calls; threads take contiguous runs of gate panels. */
+void tandem_packed_gate_up_silu_f32(const float *x, const float *packed, const float *bias, float *out,
+                                    int64_t m_rows, int64_t inter, int64_t k_in) {
+    const int64_t panels = inter / NR;
+#pragma omp parallel num_threads(tandem_team(panels))
+    {
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t j0 = panels * t / nt, j1 = panels * (t + 1) / nt;
+        float gu[MR * 2 * NR], b[2 * NR];  /* one micro-tile's gate | up; their biases */
+        for (int64_t i0 = 0; i0 < m_rows; i0 += MC) {
+            const int64_t i1 = i0 + MC < m_rows ? i0 + MC : m_rows;
+            for (int64_t j = j0; j < j1; ++j) {
+                const float *gate = packed + j * k_in * NR, *up = packed + (j + panels) * k_in * NR;
+                for (int c = 0; bias && c < NR; ++c) {
+                    b[c] = bias[j * NR + c];
+                    b[NR + c] = bias[inter + j * NR + c];
+                }
+#if PAIRS
+                for (int64_t i = i0; i < i1; i += MR2) {
+                    const int rows = (int)(i1 - i < MR2 ? i1 - i : MR2);
+                    tile_pair_rows(x + i * k_in, k_in, gate, up, bias ? b : NULL, gu, 2 * NR, NR, rows);
+                    silu_mul_rows(gu, out + i * inter + j * NR, inter, rows);
+                }
+#else
+                for (int64_t i = i0; i < i1; i += MR) {
+                    const int rows = (int)(i1 - i < MR ? i1 - i : MR);
+                    tile_rows(x + i * k_in, k_in, gate, bias ? b : NULL, gu, 2 * NR, NR, rows);
+                    tile_rows(x + i * k_in, k_in, up, bias ? b + NR : NULL, gu + NR, 2 * NR, NR, rows);
+                    silu_mul_rows(gu, out + i * inter + j * NR, inter, rows);
+                }
+#endif
             }
         }
     }
