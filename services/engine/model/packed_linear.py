@@ -6,6 +6,7 @@ count: a decode step of a few rows streams each panel from memory once, and a pr
 of many rows runs at the FMA rate (on par with oneDNN's blocked layout). Each output is
 the same FMA chain over k whatever the batch, so a row's result does not depend on its
 batch. Unlike oneDNN's blocked layout, C can read it, so the decode stack runs on it.
+An MLP's gate|up weight also runs as one call with its SiLU·mul (``gate_up_silu``).
 """
 
 from __future__ import annotations

@@ -17,6 +17,10 @@
  * sum in the same order whatever M is and whichever tile a row falls in, so a row's
  * result does not depend on the rest of its batch.
  *
+ * tandem_packed_gate_up_silu_f32 runs an MLP's fused gate|up weight the same way, pairing
+ * each gate panel with the up panel of the same channels, and applies SiLU·mul to each
+ * tile: the [M, 2 * inter] product is never written out.
+ *
  *   w      [N, K] fp32 contiguous        packed [ceil(N / 32), K, 32]
  *   x      [M, K] fp32 contiguous        bias [N] fp32 or NULL        y [M, N] fp32
  */
