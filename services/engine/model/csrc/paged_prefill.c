@@ -8,11 +8,15 @@
  *
  * Flash-attention order, one task per (sequence, kv head, tile of QT positions): the
  * G = H / KVH query heads sharing the kv head make M = QT * G score rows that every key
- * tile serves at once. Per tile of KT keys: the keys and values are copied (widened)
- * into fp32 buffers; S^T = K Q^T is computed with the rows along the vector lanes, so
- * the online softmax (running max and sum per row) is elementwise across keys, with no
- * horizontal reductions; then O += P V with the values' dims along the lanes. The
- * queries are transposed (and scaled) once per task.
+ * tile serves at once. The queries are transposed (and scaled) into Q^T once per task, and
+ * the output is kept transposed too, O^T [D][M], so rows run along the vector lanes
+ * throughout: the online softmax (running max and sum per row) is elementwise across keys,
+ * with no horizontal reductions, and rescaling O by a row's factor is a lane-wise product.
+ * Per tile of KT keys (fp32 rows read in the cache where they are, bf16 rows widened into
+ * the thread's buffers; the next tile's rows prefetched), and per chunk of up to 64 rows
+ * while the chunk is in cache: S^T = K Q^T (keeping each row's max where no key is
+ * masked), the mask on the tiles that need it, P^T = exp(S^T - max), then
+ * O^T = alpha O^T + V^T P^T. O^T / sum is transposed back into ``out`` at the end.
  *
  * Shapes (row-major):
  *   q            [T, H, D], rows q_stride apart; out [T, H, D] contiguous
@@ -29,11 +33,12 @@
 #include "team.h"
 
 #if defined(__AVX512F__)
+#include "transpose16.h"
 #include "vexp512.h"
 
 #define KT 64  /* keys per tile */
 #define JB 4   /* keys per score micro-kernel */
-#define RB 4   /* rows per value micro-kernel */
+#define DB 6   /* dims per value micro-kernel (the last call of a row chunk takes D % DB) */
 
 typedef struct {
     int64_t seq, kv_head, first, count;  /* query rows first .. first + count - 1 of seq */
@@ -54,10 +59,13 @@ static int64_t tandem_prefill_positions(int64_t G) {
     return qt;
 }
 
-/* S^T[j][m] = sum_d K[j][d] * Qt[d][m] for JB keys and MV vectors of 16 rows. */
+/* S^T[j][m] = sum_d K[j][d] * Qt[d][m] for JB keys and MV vectors of 16 rows; with
+ * ``tmax``, also tmax[16c ..] = max(tmax[16c ..], the JB keys' scores) per row. */
 static inline __attribute__((always_inline)) void tandem_scores(
-        const float *kbuf, const float *qt, float *st, int64_t D, int64_t Mp, int64_t m0,
-        const int MV) {
+        const float *const *krow, const float *qt, float *st, float *tmax, int64_t D, int64_t Mp,
+        int64_t m0, const int MV) {
+    const float *kr[JB];
+    for (int j = 0; j < JB; ++j) kr[j] = krow[j];
     __m512 acc[JB][4];
     for (int j = 0; j < JB; ++j)
         for (int c = 0; c < MV; ++c) acc[j][c] = _mm512_setzero_ps();
@@ -65,44 +73,93 @@ static inline __attribute__((always_inline)) void tandem_scores(
         __m512 qv[4];
         for (int c = 0; c < MV; ++c) qv[c] = _mm512_loadu_ps(qt + d * Mp + m0 + 16 * c);
         for (int j = 0; j < JB; ++j) {
-            const __m512 kb = _mm512_set1_ps(kbuf[j * D + d]);
+            const __m512 kb = _mm512_set1_ps(kr[j][d]);
             for (int c = 0; c < MV; ++c) acc[j][c] = _mm512_fmadd_ps(kb, qv[c], acc[j][c]);
         }
     }
     for (int j = 0; j < JB; ++j)
         for (int c = 0; c < MV; ++c) _mm512_storeu_ps(st + j * Mp + m0 + 16 * c, acc[j][c]);
+    if (tmax != NULL)
+        for (int c = 0; c < MV; ++c) {
+            __m512 top = _mm512_loadu_ps(tmax + 16 * c);
+            for (int j = 0; j < JB; ++j) top = _mm512_max_ps(top, acc[j][c]);
+            _mm512_storeu_ps(tmax + 16 * c, top);
+        }
 }
 
-/* O[m][dc ..] += sum_j P^T[j][m] * V[j][dc ..] for RB rows and NV vectors of 16 dims. */
+/* Online softmax of MV vectors of 16 rows from m0 over nj keys: P^T overwrites S^T, the
+ * rows' running max and sum move on, and alpha[m] is the factor their old sums were scaled
+ * by. ``tmax``: the rows' max over these keys (from tandem_scores), or NULL to find it. */
+static inline __attribute__((always_inline)) void tandem_softmax(
+        float *st, float *mx, float *l, float *alpha, const float *tmax, int64_t nj, int64_t Mp,
+        int64_t m0, const int MV) {
+    __m512 old[4], top[4], base[4], sum[4];
+    for (int c = 0; c < MV; ++c) {
+        old[c] = _mm512_loadu_ps(mx + m0 + 16 * c);
+        top[c] = tmax != NULL ? _mm512_max_ps(old[c], _mm512_loadu_ps(tmax + 16 * c)) : old[c];
+    }
+    if (tmax == NULL)
+        for (int64_t j = 0; j < nj; ++j)
+            for (int c = 0; c < MV; ++c)
+                top[c] = _mm512_max_ps(top[c], _mm512_loadu_ps(st + j * Mp + m0 + 16 * c));
+    for (int c = 0; c < MV; ++c) {
+        const __mmask16 none = _mm512_cmp_ps_mask(top[c], _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
+        base[c] = _mm512_mask_blend_ps(none, top[c], _mm512_setzero_ps());
+        sum[c] = _mm512_setzero_ps();
+    }
+    for (int64_t j = 0; j < nj; ++j)
+        for (int c = 0; c < MV; ++c) {
+            float *s = st + j * Mp + m0 + 16 * c;
+            const __m512 p = tandem_exp512(_mm512_sub_ps(_mm512_loadu_ps(s), base[c]));
+            _mm512_storeu_ps(s, p);
+            sum[c] = _mm512_add_ps(sum[c], p);
+        }
+    for (int c = 0; c < MV; ++c) {
+        const __m512 a = tandem_exp512(_mm512_sub_ps(old[c], base[c]));
+        float *lc = l + m0 + 16 * c;
+        _mm512_storeu_ps(lc, _mm512_fmadd_ps(_mm512_loadu_ps(lc), a, sum[c]));
+        _mm512_storeu_ps(mx + m0 + 16 * c, top[c]);
+        _mm512_storeu_ps(alpha + m0 + 16 * c, a);
+    }
+}
+
+/* O^T[d0 + e][m] = alpha[m] * O^T[d0 + e][m] + sum_j V[j][d0 + e] * P^T[j][m] for DB dims
+ * and MV vectors of 16 rows from m0. */
 static inline __attribute__((always_inline)) void tandem_values(
-        const float *pt, const float *vbuf, float *o, int64_t nk, int64_t D, int64_t Mp,
-        int64_t m0, int64_t dc, const int NV) {
-    __m512 acc[RB][4];
-    for (int r = 0; r < RB; ++r)
-        for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_loadu_ps(o + (m0 + r) * D + dc + 16 * c);
+        const float *pt, const float *const *vrow, float *ot, const float *alpha, int64_t nk,
+        int64_t Mp, int64_t m0, int64_t d0, const int MV, const int NDB) {
+    __m512 acc[DB][4], a[4];
+    for (int c = 0; c < MV; ++c) a[c] = _mm512_loadu_ps(alpha + m0 + 16 * c);
+    for (int e = 0; e < NDB; ++e)
+        for (int c = 0; c < MV; ++c)
+            acc[e][c] = _mm512_mul_ps(a[c], _mm512_loadu_ps(ot + (d0 + e) * Mp + m0 + 16 * c));
     for (int64_t j = 0; j < nk; ++j) {
-        __m512 vv[4];
-        for (int c = 0; c < NV; ++c) vv[c] = _mm512_loadu_ps(vbuf + j * D + dc + 16 * c);
-        for (int r = 0; r < RB; ++r) {
-            const __m512 pb = _mm512_set1_ps(pt[j * Mp + m0 + r]);
-            for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_fmadd_ps(pb, vv[c], acc[r][c]);
+        const float *vr = vrow[j] + d0;
+        __m512 pv[4];
+        for (int c = 0; c < MV; ++c) pv[c] = _mm512_loadu_ps(pt + j * Mp + m0 + 16 * c);
+        for (int e = 0; e < NDB; ++e) {
+            const __m512 vb = _mm512_set1_ps(vr[e]);
+            for (int c = 0; c < MV; ++c) acc[e][c] = _mm512_fmadd_ps(vb, pv[c], acc[e][c]);
         }
     }
-    for (int r = 0; r < RB; ++r)
-        for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + (m0 + r) * D + dc + 16 * c, acc[r][c]);
+    for (int e = 0; e < NDB; ++e)
+        for (int c = 0; c < MV; ++c) _mm512_storeu_ps(ot + (d0 + e) * Mp + m0 + 16 * c, acc[e][c]);
 }
 
 #define NAME tandem_paged_prefill_f32
 #define KV_T float
 #define KV_LOAD16 tandem_load16_f32
+#define KV_DIRECT 1  /* the kernels read fp32 rows in the cache */
 #include "paged_prefill_impl.h"
 #undef NAME
 #undef KV_T
 #undef KV_LOAD16
+#undef KV_DIRECT
 
 #define NAME tandem_paged_prefill_bf16
 #define KV_T uint16_t
 #define KV_LOAD16 tandem_load16_bf16
+#define KV_DIRECT 0
 #include "paged_prefill_impl.h"
 
 int tandem_paged_prefill_supported(int64_t head_dim) { return head_dim % 16 == 0; }

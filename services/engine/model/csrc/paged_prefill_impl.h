@@ -18,112 +18,129 @@ static void RUN_TASK(const tandem_prefill_task *tk, const float *q, int64_t q_st
     const int64_t klo = (window > 0 && p_first - window + 1 > 0) ? p_first - window + 1 : 0;
     const int64_t row_first = row0[b] + tk->first, block_stride = block_size * KVH * D;
     const int64_t *table = block_table + b * table_stride;
-    float *qt = buf, *o = qt + D * Mp_max, *st = o + Mp_max * D, *kbuf = st + KT * Mp_max;
+    float *qt = buf, *ot = qt + D * Mp_max, *st = ot + D * Mp_max, *kbuf = st + KT * Mp_max;
     float *vbuf = kbuf + KT * D, *mx = vbuf + KT * D, *l = mx + Mp_max, *alpha = l + Mp_max;
-    int32_t *posm = (int32_t *)(alpha + Mp_max);
+    float *tmax = alpha + Mp_max;
+    float *zeros = tmax + Mp_max;  /* D zeros */
+    int32_t *posm = (int32_t *)(zeros + D);
 
     /* Q^T [D][Mp], scaled; row m = i * G + g is position p_first + i, head kh * G + g */
-    for (int64_t m = 0; m < Mp; ++m) {
-        const int64_t i = m < M ? m / G : cnt - 1;
-        posm[m] = (int32_t)(p_first + i);
-        if (m >= M) {
-            for (int64_t d = 0; d < D; ++d) qt[d * Mp + m] = 0.f;
-            continue;
+    for (int64_t m = 0; m < Mp; ++m) posm[m] = (int32_t)(p_first + (m < M ? m / G : cnt - 1));
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int64_t m0 = 0; m0 < Mp; m0 += 16)
+        for (int64_t d0 = 0; d0 < D; d0 += 16) {
+            __m512 r[16];
+            for (int i = 0; i < 16; ++i) {
+                const int64_t m = m0 + i;
+                const float *src = q + (row_first + m / G) * q_stride + (kh * G + m % G) * D + d0;
+                r[i] = m < M ? _mm512_mul_ps(sc, _mm512_loadu_ps(src)) : _mm512_setzero_ps();
+            }
+            tandem_transpose16(r);
+            for (int k = 0; k < 16; ++k) _mm512_storeu_ps(qt + (d0 + k) * Mp + m0, r[k]);
         }
-        const float *src = q + (row_first + i) * q_stride + (kh * G + m % G) * D;
-        for (int64_t d = 0; d < D; ++d) qt[d * Mp + m] = src[d] * scale;
-    }
     for (int64_t m = 0; m < Mp; ++m) { mx[m] = -INFINITY; l[m] = 0.f; }
-    memset(o, 0, sizeof(float) * Mp * D);
+    memset(ot, 0, sizeof(float) * D * Mp);
+    memset(zeros, 0, sizeof(float) * D);
 
     for (int64_t k0 = klo; k0 <= khi; k0 += KT) {
         const int64_t nk = khi - k0 + 1 < KT ? khi - k0 + 1 : KT, nkp = (nk + JB - 1) / JB * JB;
-        for (int64_t j = 0; j < nk; ++j) {  /* the tile's keys and values, widened to fp32 */
+        const float *krow[KT], *vrow[KT];  /* the tile's key and value rows, as fp32 */
+        for (int64_t j = 0; j < nk; ++j) {
             const int64_t key = k0 + j;
             const int64_t at = table[key / block_size] * block_stride + ((key % block_size) * KVH + kh) * D;
-            for (int64_t c = 0; c < D; c += 16) {
+#if KV_DIRECT
+            krow[j] = (const float *)(k_cache + at);
+            vrow[j] = (const float *)(v_cache + at);
+#else
+            for (int64_t c = 0; c < D; c += 16) {  /* widened into the thread's buffers */
                 _mm512_storeu_ps(kbuf + j * D + c, KV_LOAD16(k_cache + at + c));
                 _mm512_storeu_ps(vbuf + j * D + c, KV_LOAD16(v_cache + at + c));
             }
+            krow[j] = kbuf + j * D;
+            vrow[j] = vbuf + j * D;
+#endif
         }
-        memset(kbuf + nk * D, 0, sizeof(float) * (nkp - nk) * D);
+        for (int64_t j = nk; j < nkp; ++j) krow[j] = zeros;  /* padding keys score 0, masked */
+        for (int64_t key = k0 + KT; key < k0 + 2 * KT && key <= khi; ++key) {  /* the next tile */
+            const int64_t at = table[key / block_size] * block_stride + ((key % block_size) * KVH + kh) * D;
+            for (int64_t c = 0; c < D * (int64_t)sizeof(KV_T); c += 64) {
+                _mm_prefetch((const char *)(k_cache + at) + c, _MM_HINT_T1);
+                _mm_prefetch((const char *)(v_cache + at) + c, _MM_HINT_T1);
+            }
+        }
+        /* causal (or window) mask needed: the tile reaches past a row's keys */
+        const int masked = k0 + nk - 1 > p_first || (window > 0 && k0 < khi - window + 1);
 
-        /* S^T [nkp][Mp]; the mask below covers what is skipped past a row chunk's last key */
+        /* chunks of up to 64 rows: scores, softmax and values while the chunk is in cache */
         for (int64_t m0 = 0; m0 < Mp; m0 += 64) {
-            const int64_t reach = posm[(m0 + 64 < Mp ? m0 + 64 : Mp) - 1] - k0 + 1;
-            for (int64_t j0 = 0; j0 < nkp && j0 < reach; j0 += JB) {
-                const float *kj = kbuf + j0 * D;
+            const int mv = Mp - m0 >= 64 ? 4 : (int)((Mp - m0) / 16), rows = 16 * mv;
+            const int64_t reach = posm[m0 + rows - 1] - k0 + 1, nj = reach < nk ? reach : nk;
+            if (nj <= 0) continue;  /* every row of the chunk is before the tile */
+            /* the scores' running max per row is kept where nothing is masked or padded */
+            float *tm = masked || nk != nkp ? NULL : tmax + m0;
+            for (int64_t m = 0; tm != NULL && m < rows; m += 16)
+                _mm512_storeu_ps(tm + m, _mm512_set1_ps(-INFINITY));
+            for (int64_t j0 = 0; j0 < nj; j0 += JB) {  /* S^T [nj][rows] */
+                const float *const *kj = krow + j0;
                 float *sj = st + j0 * Mp;
-                switch (Mp - m0 >= 64 ? 4 : (Mp - m0) / 16) {
-                    case 4: tandem_scores(kj, qt, sj, D, Mp, m0, 4); break;
-                    case 3: tandem_scores(kj, qt, sj, D, Mp, m0, 3); break;
-                    case 2: tandem_scores(kj, qt, sj, D, Mp, m0, 2); break;
-                    default: tandem_scores(kj, qt, sj, D, Mp, m0, 1); break;
+                switch (mv) {
+                    case 4: tandem_scores(kj, qt, sj, tm, D, Mp, m0, 4); break;
+                    case 3: tandem_scores(kj, qt, sj, tm, D, Mp, m0, 3); break;
+                    case 2: tandem_scores(kj, qt, sj, tm, D, Mp, m0, 2); break;
+                    default: tandem_scores(kj, qt, sj, tm, D, Mp, m0, 1); break;
                 }
             }
-        }
-
-        /* causal (and window) mask, only where the tile reaches past a row's keys */
-        if (k0 + nk - 1 > p_first || (window > 0 && k0 < khi - window + 1)) {
-            const __m512 ninf = _mm512_set1_ps(-INFINITY);
-            for (int64_t j = 0; j < nk; ++j) {
-                const __m512i key = _mm512_set1_epi32((int32_t)(k0 + j));
-                const int64_t past = k0 + j + window;  /* keys before a row at ``past`` fall out */
-                const __m512i last = _mm512_set1_epi32(past > INT32_MAX ? INT32_MAX : (int32_t)past);
-                for (int64_t m = 0; m < Mp; m += 16) {
-                    const __m512i pos = _mm512_loadu_si512(posm + m);
-                    __mmask16 ok = _mm512_cmpge_epi32_mask(pos, key);
-                    if (window > 0) ok &= _mm512_cmplt_epi32_mask(pos, last);
-                    float *s = st + j * Mp + m;
-                    _mm512_storeu_ps(s, _mm512_mask_blend_ps(ok, ninf, _mm512_loadu_ps(s)));
+            if (masked) {
+                const __m512 ninf = _mm512_set1_ps(-INFINITY);
+                for (int64_t j = 0; j < nj; ++j) {
+                    const __m512i key = _mm512_set1_epi32((int32_t)(k0 + j));
+                    const int64_t past = k0 + j + window;  /* keys before a row at ``past`` fall out */
+                    const __m512i last = _mm512_set1_epi32(past > INT32_MAX ? INT32_MAX : (int32_t)past);
+                    for (int64_t m = m0; m < m0 + rows; m += 16) {
+                        const __m512i pos = _mm512_loadu_si512(posm + m);
+                        __mmask16 ok = _mm512_cmpge_epi32_mask(pos, key);
+                        if (window > 0) ok &= _mm512_cmplt_epi32_mask(pos, last);
+                        float *s = st + j * Mp + m;
+                        _mm512_storeu_ps(s, _mm512_mask_blend_ps(ok, ninf, _mm512_loadu_ps(s)));
+                    }
                 }
             }
-        }
 
-        /* online softmax, 16 rows at a time: P^T overwrites S^T */
-        for (int64_t m = 0; m < Mp; m += 16) {
-            const __m512 old = _mm512_loadu_ps(mx + m);
-            __m512 top = old;
-            for (int64_t j = 0; j < nk; ++j) top = _mm512_max_ps(top, _mm512_loadu_ps(st + j * Mp + m));
-            const __mmask16 none = _mm512_cmp_ps_mask(top, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
-            const __m512 base = _mm512_mask_blend_ps(none, top, _mm512_setzero_ps());
-            __m512 sum = _mm512_setzero_ps();
-            for (int64_t j = 0; j < nk; ++j) {
-                float *s = st + j * Mp + m;
-                const __m512 p = tandem_exp512(_mm512_sub_ps(_mm512_loadu_ps(s), base));
-                _mm512_storeu_ps(s, p);
-                sum = _mm512_add_ps(sum, p);
+            switch (mv) {  /* online softmax: P^T overwrites S^T */
+                case 4: tandem_softmax(st, mx, l, alpha, tm, nj, Mp, m0, 4); break;
+                case 3: tandem_softmax(st, mx, l, alpha, tm, nj, Mp, m0, 3); break;
+                case 2: tandem_softmax(st, mx, l, alpha, tm, nj, Mp, m0, 2); break;
+                default: tandem_softmax(st, mx, l, alpha, tm, nj, Mp, m0, 1); break;
             }
-            const __m512 a = tandem_exp512(_mm512_sub_ps(old, base));
-            _mm512_storeu_ps(l + m, _mm512_fmadd_ps(_mm512_loadu_ps(l + m), a, sum));
-            _mm512_storeu_ps(mx + m, top);
-            _mm512_storeu_ps(alpha + m, a);
-        }
-        for (int64_t m = 0; m < Mp; ++m) {  /* rescale rows whose max moved */
-            if (alpha[m] == 1.f) continue;
-            const __m512 a = _mm512_set1_ps(alpha[m]);
-            for (int64_t d = 0; d < D; d += 16)
-                _mm512_storeu_ps(o + m * D + d, _mm512_mul_ps(a, _mm512_loadu_ps(o + m * D + d)));
-        }
-
-        for (int64_t m0 = 0; m0 < Mp; m0 += RB) {  /* O += P V, up to the rows' last key */
-            const int64_t reach = posm[m0 + RB - 1] - k0 + 1, nj = reach < nk ? reach : nk;
-            for (int64_t dc = 0; dc < D && nj > 0; dc += 64) {
-                switch (D - dc >= 64 ? 4 : (D - dc) / 16) {
-                    case 4: tandem_values(st, vbuf, o, nj, D, Mp, m0, dc, 4); break;
-                    case 3: tandem_values(st, vbuf, o, nj, D, Mp, m0, dc, 3); break;
-                    case 2: tandem_values(st, vbuf, o, nj, D, Mp, m0, dc, 2); break;
-                    default: tandem_values(st, vbuf, o, nj, D, Mp, m0, dc, 1); break;
+            for (int64_t d0 = 0; d0 < D; ) {  /* O^T = alpha O^T + V^T P^T, DB dims a call */
+                const int ndb = D - d0 >= DB ? DB : (int)(D - d0);  /* D % 16 == 0: 2 or 4 */
+#define TANDEM_VALUES(MV)                                                                        \
+                (ndb == DB  ? tandem_values(st, vrow, ot, alpha, nj, Mp, m0, d0, MV, DB)         \
+                 : ndb == 4 ? tandem_values(st, vrow, ot, alpha, nj, Mp, m0, d0, MV, 4)          \
+                            : tandem_values(st, vrow, ot, alpha, nj, Mp, m0, d0, MV, 2))
+                switch (mv) {
+                    case 4: TANDEM_VALUES(4); break;
+                    case 3: TANDEM_VALUES(3); break;
+                    case 2: TANDEM_VALUES(2); break;
+                    default: TANDEM_VALUES(1); break;
                 }
+#undef TANDEM_VALUES
+                d0 += ndb;
             }
         }
     }
 
-    for (int64_t m = 0; m < M; ++m) {
-        const __m512 inv = _mm512_set1_ps(1.f / l[m]);
-        float *dst = out + ((row_first + m / G) * H + kh * G + m % G) * D;
-        for (int64_t d = 0; d < D; d += 16)
-            _mm512_storeu_ps(dst + d, _mm512_mul_ps(inv, _mm512_loadu_ps(o + m * D + d)));
+    for (int64_t m0 = 0; m0 < M; m0 += 16) {  /* out = O / l, transposed back */
+        const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_loadu_ps(l + m0));
+        for (int64_t d0 = 0; d0 < D; d0 += 16) {
+            __m512 r[16];
+            for (int k = 0; k < 16; ++k) r[k] = _mm512_mul_ps(inv, _mm512_loadu_ps(ot + (d0 + k) * Mp + m0));
+            tandem_transpose16(r);
+            for (int64_t i = 0; i < 16 && m0 + i < M; ++i) {
+                const int64_t m = m0 + i;
+                _mm512_storeu_ps(out + ((row_first + m / G) * H + kh * G + m % G) * D + d0, r[i]);
+            }
+        }
     }
 }
 
@@ -148,8 +165,8 @@ int NAME(const float *q, int64_t q_stride, float *out, const int64_t *row0, cons
                 tasks[n++] = (tandem_prefill_task){b, kh, first, count, last - lo + 1};
             }
     qsort(tasks, (size_t)num_tasks, sizeof *tasks, tandem_prefill_task_order);
-    /* per thread: Q^T, O, S^T, K and V tiles, max, sum, alpha, positions */
-    const size_t floats = (size_t)(2 * D * Mp_max + KT * Mp_max + 2 * KT * D + 4 * Mp_max);
+    /* per thread: Q^T, O^T, S^T, K and V tiles, max, sum, alpha, tile max, positions */
+    const size_t floats = (size_t)(2 * D * Mp_max + KT * Mp_max + 2 * KT * D + D + 5 * Mp_max);
     int failed = 0;
 #pragma omp parallel num_threads(tandem_team(num_tasks)) reduction(| : failed)
     {
