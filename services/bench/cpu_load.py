@@ -97,7 +97,7 @@ class BackgroundSampler:
     def __init__(self, roots: Callable[[], list[int]] | None = None, interval_s: float = 0.5) -> None:
         self.roots = roots or (lambda: [os.getpid()])
         self.interval_s = interval_s
-        self.samples: list[float] = []  # background cores over each interval
+        self.samples: list[float] = []  # background cores over each interval (signed)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._ours: dict[int, float] = {}  # pid -> CPU seconds at its last sample
@@ -118,7 +118,11 @@ class BackgroundSampler:
                 ours += cpu - self._ours.get(pid, cpu)
         self._ours = seen
         if self._last is not None:
-            dt, others = now - self._last[0], max(0.0, busy - self._last[1] - ours)
+            # signed: /proc/stat and a process's own counters tick apart, so one interval can
+            # credit our CPU to others and the next take it back; clamping each interval at 0
+            # would keep the first and drop the second (a bias of ~0.1-0.35 cores measured
+            # beside one busy thread of ours). Only the mean is clamped (``stop``).
+            dt, others = now - self._last[0], busy - self._last[1] - ours
             if dt > 0:
                 self.samples.append(others / dt)
                 self._busy_s += others
@@ -142,7 +146,7 @@ class BackgroundSampler:
         if self._thread is not None:
             self._thread.join()
         self.sample()
-        return self._busy_s / self._elapsed_s if self._elapsed_s else None
+        return max(0.0, self._busy_s / self._elapsed_s) if self._elapsed_s else None
 
     def __enter__(self) -> BackgroundSampler:
         return self.start()

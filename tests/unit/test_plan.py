@@ -178,6 +178,37 @@ def test_tandem_plan_rejects_bad_input(tmp_path, capsys):
     assert cli(["plan", "--profile", no_transfer, "--preset", "chat", "--mixes", "2Q", "--no-plots"]) == 2
 
 
+@pytest.mark.parametrize("others", [0.0, 0.5])
+def test_background_sampler_is_not_biased_by_counters_that_tick_apart(monkeypatch, others):
+    """Our process busy on one core, its own counter read half a tick early and late in
+    turn against /proc/stat's: the intervals that credit our CPU to others and those that
+    take it back must cancel, not leave a share of our core counted as background."""
+    import types
+
+    from services.bench import cpu_load
+
+    clock = {"t": 0.0, "busy": 0.0, "ours": 0.0, "n": 0}
+
+    def tick() -> None:  # one second: we use 1 core, others ``others``
+        clock["t"] += 1.0
+        clock["busy"] += 1.0 + others
+        clock["n"] += 1
+        clock["ours"] = clock["n"] - 0.5 * (clock["n"] % 2)  # our counter lags every other read
+
+    monkeypatch.setattr(cpu_load, "time", types.SimpleNamespace(monotonic=lambda: clock["t"]))
+    monkeypatch.setattr(cpu_load, "busy_cpu_seconds", lambda: clock["busy"])
+    monkeypatch.setattr(cpu_load, "process_cpu_seconds", lambda pid: clock["ours"])
+    monkeypatch.setattr(cpu_load, "process_tree", lambda roots: {1})
+    sampler = cpu_load.BackgroundSampler(roots=lambda: [1])
+    sampler.sample()
+    for _ in range(9):
+        tick()
+        sampler.sample()
+    tick()
+    assert sampler.stop()  # never started: stop() takes the last sample == pytest.approx(others)
+    assert len(sampler.samples) == 10
+
+
 def test_background_sampler_counts_other_processes_cpu_not_ours():
     import os
     import signal
