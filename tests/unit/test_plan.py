@@ -205,7 +205,7 @@ def test_background_sampler_is_not_biased_by_counters_that_tick_apart(monkeypatc
         tick()
         sampler.sample()
     tick()
-    assert sampler.stop()  # never started: stop() takes the last sample == pytest.approx(others)
+    assert sampler.stop() == pytest.approx(others)  # never started: stop() takes the last sample
     assert len(sampler.samples) == 10
 
 
