@@ -59,6 +59,13 @@ static int64_t tandem_prefill_positions(int64_t G) {
     return qt;
 }
 
+/* Offset (in elements) of ``key``'s row for kv head ``kh`` in a [blocks, block_size, KVH, D]
+ * cache, through its sequence's block table. */
+static inline int64_t tandem_key_row(const int64_t *table, int64_t key, int64_t block_size,
+                                     int64_t KVH, int64_t kh, int64_t D) {
+    return ((table[key / block_size] * block_size + key % block_size) * KVH + kh) * D;
+}
+
 /* S^T[j][m] = sum_d K[j][d] * Qt[d][m] for JB keys and MV vectors of 16 rows; with
  * ``tmax``, also tmax[16c ..] = max(tmax[16c ..], the JB keys' scores) per row. */
 static inline __attribute__((always_inline)) void tandem_scores(

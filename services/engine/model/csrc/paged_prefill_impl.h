@@ -16,7 +16,7 @@ static void RUN_TASK(const tandem_prefill_task *tk, const float *q, int64_t q_st
     const int64_t M = cnt * G, Mp = (M + 15) / 16 * 16;
     const int64_t p_first = pos0[b] + tk->first, khi = p_first + cnt - 1;
     const int64_t klo = (window > 0 && p_first - window + 1 > 0) ? p_first - window + 1 : 0;
-    const int64_t row_first = row0[b] + tk->first, block_stride = block_size * KVH * D;
+    const int64_t row_first = row0[b] + tk->first;
     const int64_t *table = block_table + b * table_stride;
     float *qt = buf, *ot = qt + D * Mp_max, *st = ot + D * Mp_max, *kbuf = st + KT * Mp_max;
     float *vbuf = kbuf + KT * D, *mx = vbuf + KT * D, *l = mx + Mp_max, *alpha = l + Mp_max;
@@ -47,7 +47,7 @@ static void RUN_TASK(const tandem_prefill_task *tk, const float *q, int64_t q_st
         const float *krow[KT], *vrow[KT];  /* the tile's key and value rows, as fp32 */
         for (int64_t j = 0; j < nk; ++j) {
             const int64_t key = k0 + j;
-            const int64_t at = table[key / block_size] * block_stride + ((key % block_size) * KVH + kh) * D;
+            const int64_t at = tandem_key_row(table, key, block_size, KVH, kh, D);
 #if KV_DIRECT
             krow[j] = (const float *)(k_cache + at);
             vrow[j] = (const float *)(v_cache + at);
@@ -62,7 +62,7 @@ static void RUN_TASK(const tandem_prefill_task *tk, const float *q, int64_t q_st
         }
         for (int64_t j = nk; j < nkp; ++j) krow[j] = zeros;  /* padding keys score 0, masked */
         for (int64_t key = k0 + KT; key < k0 + 2 * KT && key <= khi; ++key) {  /* the next tile */
-            const int64_t at = table[key / block_size] * block_stride + ((key % block_size) * KVH + kh) * D;
+            const int64_t at = tandem_key_row(table, key, block_size, KVH, kh, D);
             for (int64_t c = 0; c < D * (int64_t)sizeof(KV_T); c += 64) {
                 _mm_prefetch((const char *)(k_cache + at) + c, _MM_HINT_T1);
                 _mm_prefetch((const char *)(v_cache + at) + c, _MM_HINT_T1);
