@@ -21,6 +21,7 @@ import torch
 from services.common.config import EngineConfig, EngineRole
 from services.common.metrics import WorkerMetrics
 from services.common.sampling_params import FinishReason, SamplingParams
+from services.engine import host_memory
 from services.engine.kv_cache.block_pool import BlockPool
 from services.engine.kv_cache.kv_manager import KVCacheManager, blocks_needed
 from services.engine.kv_cache.paged_cache import PagedKVCache
@@ -80,6 +81,8 @@ class LLMEngine:
                                                  mc.head_dim, self.dtype)
         sc = config.scheduler
         working = working_memory_bytes(mc, sc.max_num_batched_tokens, sc.max_num_seqs, self.dtype)
+        if self.device.type == "cpu":  # a step's activations reuse the last step's pages
+            host_memory.keep_freed_memory(working)
         num_blocks = num_kv_blocks(cc, per_block, self.device, working)
         self.kv_cache = PagedKVCache(mc.num_layers, num_blocks, cc.block_size, mc.num_kv_heads,
                                      mc.head_dim, self.dtype, self.device)
