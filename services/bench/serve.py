@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import json
 import math
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from services.bench.metrics_math import SLO, goodput, summarize
 from services.bench.workload import BenchRequest, LengthDist, RequestClass, describe, get_preset
 
 SCHEMA = "tandem.bench.serve/v1"
+WARMUP_SALT = 2**31 - 1  # the warm-up's prompts: no sweep has this many rates
+WARMUP_MAX_TOKENS = 16
 DEFAULTS = {"num_prompts": 50, "rates": "1,2,4", "input_len": "128", "output_len": "128"}
 
 
@@ -39,6 +42,10 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--tokenizer", default=None, help="the served checkpoint's folder (exact token counts; "
                    "default: none, synthetic prompts use ids 16..999)")
     w.add_argument("--seed", type=int, default=0, help="one seed for the request sequence and the arrivals")
+    w.add_argument("--prompt-salt", type=int, default=None,
+                   help="synthetic prompts' token ids come from the seed, the rate and this salt (default: "
+                   "a fresh one per run, in results.json: a server that keeps a prefix cache across runs, as "
+                   "vLLM's does, must not find a repeated run's prompts in it; give it to replay a run)")
     w.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     w.add_argument("--token-timing", default="logprobs", choices=["logprobs", "text"],
                    help="logprobs: ask for logprobs=0 so every token's chunk is seen and timed; text: time "
@@ -47,7 +54,8 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     a.add_argument("--arrival", default="poisson", choices=KINDS)
     a.add_argument("--rates", default=None, help="comma-separated req/s to sweep, inf allowed (default 1,2,4)")
     a.add_argument("--burst-size", type=int, default=None, help="burst arrivals: requests per burst (default all)")
-    a.add_argument("--warmup", type=int, default=2, help="sequential requests before the sweep (not recorded)")
+    a.add_argument("--warmup", type=int, default=4, help="requests sent together before the sweep, not recorded: "
+                   "the longest prompt of each request class first, prompts the sweep never sends")
     a.add_argument("--cooldown", type=float, default=2.0, help="seconds of idle between rates")
     a.add_argument("--request-timeout", type=float, default=120.0, help="seconds per request")
     a.add_argument("--max-duration", type=float, default=300.0, help="seconds per rate; the rest is cancelled")
@@ -85,6 +93,18 @@ class Plan:
     slo: SLO
     config: dict[str, Any]
 
+    def warmup(self, count: int) -> list[BenchRequest]:
+        """``count`` requests that no rate sends, the longest prompt of each request class
+        first: a server's first long prompt (and what it compiles or allocates for one)
+        comes before the measurement, not in its first rate."""
+        pool = self.requests(WARMUP_SALT)
+        longest: dict[str, BenchRequest] = {}
+        for r in pool:
+            if r.kind not in longest or (r.prompt_len or 0) > (longest[r.kind].prompt_len or 0):
+                longest[r.kind] = r
+        first = sorted(longest.values(), key=lambda r: -(r.prompt_len or 0))
+        return (first + [r for r in pool if r not in first])[:max(count, 0)]
+
 
 def _pick(args: argparse.Namespace, preset: Any, key: str) -> Any:
     value = getattr(args, key)
@@ -108,6 +128,7 @@ def plan(args: argparse.Namespace) -> Plan:
     if n < 1:
         raise ValueError("--num-prompts must be >= 1")
     out_len = LengthDist.parse(args.output_len or DEFAULTS["output_len"])
+    run_salt = args.prompt_salt if args.prompt_salt is not None else secrets.randbits(31)
     if args.dataset:
         def requests(k: int) -> list[BenchRequest]:
             return dataset.load(args.dataset, n, args.seed, out_len, tokenizer, salt=k)
@@ -122,7 +143,7 @@ def plan(args: argparse.Namespace) -> Plan:
         ids = ordinary_token_ids(tokenizer)
 
         def requests(k: int) -> list[BenchRequest]:
-            return synthetic(classes, n, args.seed, ids, salt=k)
+            return synthetic(classes, n, args.seed, ids, salt=k, run=run_salt)
 
         name = preset.name if preset is not None else "synthetic"
     ttft, tpot = _pick(args, preset, "slo_ttft_ms"), _pick(args, preset, "slo_tpot_ms")
@@ -131,6 +152,7 @@ def plan(args: argparse.Namespace) -> Plan:
     config = {"workload_name": name, "preset": args.preset, "dataset": args.dataset,
               "classes": [c.to_json() for c in classes] if classes else None,
               "requests_per_rate": n, "request_mix": describe(requests(0)), "seed": args.seed,
+              "prompt_salt": None if args.dataset else run_salt,
               "tokenizer": args.tokenizer, "ignore_eos": args.ignore_eos, "token_timing": args.token_timing,
               "arrival": args.arrival,
               "burst_size": args.burst_size, "rates": [r if math.isfinite(r) else None for r in rates],
@@ -139,16 +161,19 @@ def plan(args: argparse.Namespace) -> Plan:
     return Plan(name, requests, rates, slo, config)
 
 
-async def _warmup(url: str, model: str, n: int, timeout_s: float) -> None:
+async def _warmup(url: str, model: str, requests: list[BenchRequest], timeout_s: float) -> None:
+    """Send ``requests`` together (at most ``WARMUP_MAX_TOKENS`` out each) and wait for all."""
     import httpx
 
     from services.bench.client import completion_body, stream_completion
 
     async with httpx.AsyncClient(timeout=timeout_s) as client:
-        for i in range(n):
-            res = await stream_completion(client, url, completion_body(model, [100 + i] * 16, 4), timeout_s)
-            if res.error:
-                raise RuntimeError(f"warm-up request to {url} failed: {res.error}: {res.detail}")
+        results = await asyncio.gather(*(
+            stream_completion(client, url, completion_body(model, r.prompt, min(r.output_len, WARMUP_MAX_TOKENS)),
+                              timeout_s) for r in requests))
+    for res in results:
+        if res.error:
+            raise RuntimeError(f"warm-up request to {url} failed: {res.error}: {res.detail}")
 
 
 def sweep(url: str, model: str, p: Plan, args: argparse.Namespace, label: str,
@@ -157,7 +182,7 @@ def sweep(url: str, model: str, p: Plan, args: argparse.Namespace, label: str,
     from services.bench.loadgen import run_requests
 
     meta = {**runinfo.describe(), "server": {"url": url, "model": model, **server_meta}}
-    asyncio.run(_warmup(url, model, args.warmup, args.request_timeout))
+    asyncio.run(_warmup(url, model, p.warmup(args.warmup), args.request_timeout))
     runs = []
     for k, rate in enumerate(p.rates):
         if k:

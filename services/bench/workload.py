@@ -137,12 +137,13 @@ def ordinary_token_ids(tokenizer: object | None) -> list[int]:
 
 
 def synthetic(classes: Sequence[RequestClass], n: int, seed: int, token_ids: Sequence[int],
-              salt: int = 0) -> list[BenchRequest]:
-    """``n`` requests of the mix ``classes``, reproducible from ``seed`` and ``salt``.
+              salt: int = 0, run: int = 0) -> list[BenchRequest]:
+    """``n`` requests of the mix ``classes``, reproducible from ``seed``, ``salt`` and ``run``.
 
-    The classes and lengths depend on ``seed`` only; the prompts' token ids on ``seed``
-    and ``salt``: a sweep uses one salt per rate, so every rate sees the same shapes but
-    no prompt a server has seen before (a prefix cache would otherwise skip the prefills).
+    The classes and lengths depend on ``seed`` only; the prompts' token ids on all three:
+    a sweep uses one salt per rate and one ``run`` salt for the whole run, so every rate
+    sees the same shapes but no prompt a server has seen before, in this run or an earlier
+    one (a prefix cache would otherwise skip the prefills).
     """
     if not classes:
         raise ValueError("a synthetic workload needs at least one request class")
@@ -150,7 +151,7 @@ def synthetic(classes: Sequence[RequestClass], n: int, seed: int, token_ids: Seq
     if (weights < 0).any() or weights.sum() <= 0:
         raise ValueError("request class weights must be >= 0 and not all 0")
     rng = np.random.default_rng(seed)
-    ids_rng = np.random.default_rng([seed, salt])
+    ids_rng = np.random.default_rng([seed, salt, run])
     probs = weights / weights.sum()
     pool = np.asarray(token_ids)
     out = []

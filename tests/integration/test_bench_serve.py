@@ -4,6 +4,7 @@ follows its schema and the plots are PNG files."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import httpx
 import jsonschema
 import pytest
 
+from services.bench import serve as serve_bench
 from services.bench.launcher import TandemServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,10 +76,18 @@ def _assert_png(path: str | Path) -> None:
     assert data[:8] == PNG and len(data) > 1000, path
 
 
+def _prompt_tokens_served(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("tandem_prompt_tokens_total"))
+
+
 def test_bench_serve_writes_every_record_a_summary_and_plots(server, tiny_model_dir, tmp_path):
     out = tmp_path / "serve"
-    proc = _cli("serve", "--url", server.url, "--tokenizer", str(tiny_model_dir), "--input-len", "uniform:8-32",
-                "--output-len", "8", "--num-prompts", "8", "--rates", "8,inf", "--slo-ttft-ms", "3000",
+    served_before = _prompt_tokens_served(server.url)
+    workload = ("--url", server.url, "--tokenizer", str(tiny_model_dir), "--input-len", "uniform:8-32",
+                "--output-len", "8", "--num-prompts", "8", "--rates", "8,inf")
+    proc = _cli("serve", *workload, "--slo-ttft-ms", "3000",
                 "--slo-tpot-ms", "500", "--cooldown", "0.2", "--request-timeout", "60", "--max-duration", "90",
                 "--meta", "note=ci", "--out-dir", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -96,6 +106,15 @@ def test_bench_serve_writes_every_record_a_summary_and_plots(server, tiny_model_
     assert data["config"]["tokenizer"] == str(tiny_model_dir)
     for png in data["plots"].values():
         _assert_png(png)
+    # the warm-up (4 requests by default, the longest prompt first) reached the server, and the sweep
+    # sent the prompts its recorded salt replays
+    parser = argparse.ArgumentParser()
+    serve_bench.add_arguments(parser)
+    replay = serve_bench.plan(parser.parse_args([*workload, "--prompt-salt", str(data["config"]["prompt_salt"])]))
+    assert [rec["prompt_tokens"] for rec in first["requests"]] == [r.prompt_len for r in replay.requests(0)]
+    swept = sum(rec["prompt_tokens"] for run in data["runs"] for rec in run["requests"])
+    warm = _prompt_tokens_served(server.url) - served_before - swept
+    assert data["config"]["warmup"] == 4 and warm == sum(r.prompt_len for r in replay.warmup(4))
 
 
 def test_bench_compare_runs_both_modes_and_another_server(server, tiny_model_dir, tmp_path):

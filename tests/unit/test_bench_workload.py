@@ -62,6 +62,48 @@ def test_synthetic_is_reproducible_and_salted_per_rate():
     assert all(x.prompt != y.prompt for x, y in zip(a, salted))
 
 
+def test_synthetic_prompts_of_another_run_are_fresh():
+    pool = list(range(16, 1000))
+    a = synthetic(_mix(), 30, seed=1, token_ids=pool, run=5)
+    b = synthetic(_mix(), 30, seed=1, token_ids=pool, run=6)
+    assert [(r.kind, r.prompt_len, r.output_len) for r in b] == [(r.kind, r.prompt_len, r.output_len) for r in a]
+    assert all(x.prompt != y.prompt for x, y in zip(a, b))
+    assert synthetic(_mix(), 30, seed=1, token_ids=pool, run=5) == a
+
+
+def _bench_plan(*argv: str):
+    import argparse
+
+    from services.bench import serve as serve_bench
+
+    parser = argparse.ArgumentParser()
+    serve_bench.add_arguments(parser)
+    return serve_bench.plan(parser.parse_args(["--url", "http://x", *argv]))
+
+
+def test_each_run_draws_fresh_prompts_unless_its_salt_is_given():
+    # a long-lived server (vLLM keeps a prefix cache) must not find a repeated run's prompts
+    first, second = _bench_plan("--preset", "interference"), _bench_plan("--preset", "interference")
+    assert first.config["prompt_salt"] != second.config["prompt_salt"]
+    for k in range(len(first.rates)):
+        a, b = first.requests(k), second.requests(k)
+        assert [(r.kind, r.prompt_len, r.output_len) for r in a] == [(r.kind, r.prompt_len, r.output_len) for r in b]
+        assert all(x.prompt != y.prompt for x, y in zip(a, b))
+    replay = _bench_plan("--preset", "interference", "--prompt-salt", str(first.config["prompt_salt"]))
+    assert all(replay.requests(k) == first.requests(k) for k in range(len(first.rates)))
+
+
+def test_the_warmup_sends_each_class_longest_prompt_first_and_no_swept_prompt():
+    plan = _bench_plan("--preset", "interference")
+    warm = plan.warmup(4)
+    assert [r.kind for r in warm[:2]] == ["long-prompt", "stream"] and warm[0].prompt_len == 1024
+    assert len(warm) == 4 and plan.warmup(0) == [] and len(plan.warmup(1)) == 1
+    swept = {tuple(r.prompt) for k in range(len(plan.rates)) for r in plan.requests(k)}
+    assert not swept & {tuple(r.prompt) for r in warm}
+    one_class = _bench_plan("--input-len", "uniform:8-300", "--num-prompts", "40")
+    assert one_class.warmup(2)[0].prompt_len == max(r.prompt_len for r in one_class.requests(0)) > 250
+
+
 def test_synthetic_errors():
     with pytest.raises(ValueError):
         synthetic([], 3, 0, [1, 2])
