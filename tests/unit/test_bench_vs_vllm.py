@@ -121,3 +121,17 @@ def test_series_summary():
 def test_more_threads_than_cpus_is_refused():
     with pytest.raises(ValueError, match="CPUs are usable"):
         cpu_list(len(os.sched_getaffinity(0)) + 1)
+
+
+def test_the_batch_one_step_is_set_against_reads_taken_between_the_steps(tmp_path, tiny_model_dir, capsys):
+    out = tmp_path / "r.json"
+    rc = main(["bench", "offline", "--model", str(tiny_model_dir), "--no-hf", "--threads", "1",
+               "--num-prompts", "2", "--input-len", "8", "--output-len", "4", "--decode-steps", "6",
+               "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["decode_step_ms"] > 0 and 0 < res["read_gb_s"] <= res["best_read_gb_s"]
+    assert res["decode_floor_ms"] == pytest.approx(res["weight_mb"] / res["read_gb_s"])
+    assert res["decode_vs_floor"] == pytest.approx(res["decode_floor_ms"] / res["decode_step_ms"])
+    assert res["decode_vs_best_floor"] <= res["decode_vs_floor"]
+    assert "the median read between the steps" in capsys.readouterr().out
