@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(packed_linear.load() is None, reason="no C compi
 # (N, K): panels full, partial, one; from 128 rows on, pairs of panels (an odd one left per
 # thread; the pair's second panel partial)
 SHAPES = [(1, 1), (31, 17), (32, 64), (33, 5), (100, 576), (96, 24), (161, 40)]
-ROWS = [1, 2, 13, 14, 15, 29, 127, 128, 168, 200, 301]  # micro-tiles of 14 and 6 rows, blocks of 168
+ROWS = [1, 2, 6, 7, 13, 14, 15, 29, 127, 128, 168, 200, 301]  # micro-tiles of 14 and 6 rows, blocks of 168
 
 
 def _case(n: int, k: int, bias: bool, seed: int = 0):
@@ -45,7 +45,8 @@ def test_it_computes_the_plain_product_for_every_row_count(n, k, bias):
 
 @pytest.mark.parametrize("n,k", [(100, 576), (161, 40)])
 def test_a_row_comes_out_bit_identical_alone_and_in_any_batch(n, k):
-    """Alone a row takes the one-panel micro-kernel; in a batch of 200 the two-panel one."""
+    """Alone, or with up to 5 more, a row takes the two-panel micro-kernel; in a batch of 7 to
+    127 the one-panel one; from 128 on the two-panel one again."""
     kernels = packed_linear.load()
     w, b, gen = _case(n, k, bias=True)
     packed = kernels.pack(w)
@@ -53,7 +54,8 @@ def test_a_row_comes_out_bit_identical_alone_and_in_any_batch(n, k):
     batch = kernels.linear(x, packed, b, n)
     for i in (0, 5, 6, 13, 14, 167, 168, 199):  # first/last of a micro-tile and of a block
         assert torch.equal(kernels.linear(x[i:i + 1].contiguous(), packed, b, n)[0], batch[i])
-    assert torch.equal(kernels.linear(x[20:50].contiguous(), packed, b, n), batch[20:50])
+    for lo, hi in ((20, 26), (20, 27), (20, 50)):
+        assert torch.equal(kernels.linear(x[lo:hi].contiguous(), packed, b, n), batch[lo:hi])
     assert torch.equal(kernels.linear(x[:130].contiguous(), packed, b, n), batch[:130])
 
 
