@@ -135,3 +135,4 @@ def test_the_batch_one_step_is_set_against_reads_taken_between_the_steps(tmp_pat
     assert res["decode_vs_floor"] == pytest.approx(res["decode_floor_ms"] / res["decode_step_ms"])
     assert res["decode_vs_best_floor"] <= res["decode_vs_floor"]
     assert "the median read between the steps" in capsys.readouterr().out
+    assert main(["bench", "offline", "--model", str(tiny_model_dir), "--no-hf", "--decode-steps", "1"]) == 2
