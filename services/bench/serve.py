@@ -128,6 +128,8 @@ def plan(args: argparse.Namespace) -> Plan:
     if n < 1:
         raise ValueError("--num-prompts must be >= 1")
     out_len = LengthDist.parse(args.output_len or DEFAULTS["output_len"])
+    if args.prompt_salt is not None and args.prompt_salt < 0:
+        raise ValueError("--prompt-salt must be >= 0")
     run_salt = args.prompt_salt if args.prompt_salt is not None else secrets.randbits(31)
     if args.dataset:
         def requests(k: int) -> list[BenchRequest]:

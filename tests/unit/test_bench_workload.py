@@ -91,6 +91,8 @@ def test_each_run_draws_fresh_prompts_unless_its_salt_is_given():
         assert all(x.prompt != y.prompt for x, y in zip(a, b))
     replay = _bench_plan("--preset", "interference", "--prompt-salt", str(first.config["prompt_salt"]))
     assert all(replay.requests(k) == first.requests(k) for k in range(len(first.rates)))
+    with pytest.raises(ValueError, match="--prompt-salt"):
+        _bench_plan("--preset", "interference", "--prompt-salt", "-1")
 
 
 def test_the_warmup_sends_each_class_longest_prompt_first_and_no_swept_prompt():
