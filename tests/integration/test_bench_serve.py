@@ -106,8 +106,9 @@ def test_bench_serve_writes_every_record_a_summary_and_plots(server, tiny_model_
     assert data["config"]["tokenizer"] == str(tiny_model_dir)
     for png in data["plots"].values():
         _assert_png(png)
-    # the warm-up (4 requests by default, the longest prompt first) reached the server, and the sweep
-    # sent the prompts its recorded salt replays
+    # the warm-up (4 requests by default, the longest prompt first) reached the server: exactly its prompt
+    # tokens on top of the sweep's (lengths follow the seed alone; that the recorded salt replays the
+    # token ids is checked in tests/unit/test_bench_workload.py)
     parser = argparse.ArgumentParser()
     serve_bench.add_arguments(parser)
     replay = serve_bench.plan(parser.parse_args([*workload, "--prompt-salt", str(data["config"]["prompt_salt"])]))
