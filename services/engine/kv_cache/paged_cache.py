@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
+from services.engine import huge_pages
+
 
 class PagedKVCache:
     """All layers' K and V in one tensor ``[L, 2, num_blocks, block_size, KVH, D]``.
@@ -22,8 +24,10 @@ class PagedKVCache:
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.dtype, self.device = dtype, device
-        self.kv = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
-                              dtype=dtype, device=device)
+        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        # on CPU, huge pages: decode attention reads blocks all over it
+        self.kv = huge_pages.zeros(shape, dtype) if torch.device(device).type == "cpu" \
+            else torch.zeros(shape, dtype=dtype, device=device)
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,

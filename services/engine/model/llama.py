@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.engine import huge_pages
 from services.engine.model import cpu_kernels, onednn, quantized
 from services.engine.model.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from services.engine.model.config import ModelConfig
@@ -101,7 +102,8 @@ class LlamaModel(nn.Module):
         onednn.replace_linears(self, weight_dtype, native, layout)
         table = self.embed_tokens.weight
         table.data = table.data.to(weight_dtype)
-        if self.lm_head is None:
+        if self.lm_head is None:  # every decode step reads all of it: huge pages (huge_pages.py)
+            table.data = huge_pages.copy_of(table.data)
             self.lm_head = onednn.CpuLinear(table, None, weight_dtype, native, layout, shared=True)
 
     def use_int8(self) -> int:

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from services.common.config import CPU_WEIGHT_LAYOUTS as LAYOUTS
+from services.engine import huge_pages
 from services.engine.model import cpu_kernels, packed_linear
 
 # Input rows up to which the GEMV beats oneDNN, per weight dtype (bf16 widens each
@@ -61,7 +62,7 @@ class CpuLinear(nn.Module):
             self.packed = packer
         else:  # [out, in]: plain, or oneDNN's blocked layout (an opaque tensor)
             self.weight = torch.ops.mkldnn._reorder_linear_weight(plain, None) \
-                if self.layout == "blocked" else plain
+                if self.layout == "blocked" else plain if shared else huge_pages.copy_of(plain)
             self.packed = None
         # oneDNN adds the bias in ``dtype``; the native kernels get the same values widened
         # (one tensor for fp32)

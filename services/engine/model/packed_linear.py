@@ -16,6 +16,7 @@ from functools import cache
 
 import torch
 
+from services.engine import huge_pages
 from services.engine.model import cpu_features, cpu_kernels
 from services.engine.model.cpu_kernels import CpuKernels
 
@@ -44,7 +45,7 @@ class PackedKernels:
             raise ValueError("the packed layout takes fp32 CPU weights [N, K]")
         weight = weight.contiguous()
         n, k = weight.shape
-        packed = torch.empty((n + PANEL - 1) // PANEL, k, PANEL)
+        packed = huge_pages.empty(((n + PANEL - 1) // PANEL, k, PANEL))
         self._pack(weight.data_ptr(), packed.data_ptr(), n, k)
         return packed
 
