@@ -11,9 +11,11 @@
  *     From PAIR_ROWS rows on, a second micro-kernel takes two adjacent panels (64
  *     channels) for MR2 = 6 rows: per k four panel loads and 6 broadcasts feed 24 FMAs
  *     (the 14 x 32 tile needs 16 loads for 28), 5-8% faster on 512-1,024-row prompts.
- *     Steps of up to MR2 rows take it too: two panels streamed at once keep more reads
- *     in flight (4-18% faster at 1-6 rows on an AMD EPYC; from 8 rows on, where the rows
- *     take two passes over the pair, it is not faster).
+ *     A decode step streams one panel at a time, as the hardware prefetcher likes it:
+ *     tiles of fewer than PREFETCH_ROWS rows issue no software prefetch, which at 1-8
+ *     rows only took load slots from the stream (1-12% faster without on an AMD EPYC,
+ *     the product then reads at the rate of a plain streaming sum; two panels at once
+ *     were slower still); tiles of more rows compute long enough per load that it helps.
  * Threads take contiguous runs of panels.
  *
  * Each output is one accumulator's FMA chain over k = 0 .. K-1, then + bias: the same
@@ -38,8 +40,9 @@
 #define MR 14                /* input rows per micro-tile */
 #define MC (12 * MR)         /* input rows per block */
 #define MR2 6                /* input rows per two-panel micro-tile */
-#define PAIR_ROWS 128        /* from this many rows on (and up to MR2), two panels at a time */
-#define PREFETCH_K 16        /* k steps ahead (2 KB of the panel): a decode step streams it */
+#define PAIR_ROWS 128        /* from this many rows on, two panels at a time */
+#define PREFETCH_K 16        /* k steps ahead (2 KB of the panel) */
+#define PREFETCH_ROWS 9      /* tiles of this many rows and more prefetch the panel */
 
 void tandem_pack_linear_f32(const float *w, float *packed, int64_t n_out, int64_t k_in) {
     const int64_t panels = (n_out + NR - 1) / NR;
@@ -66,8 +69,10 @@ static inline __attribute__((always_inline)) void tile(
     for (int64_t k = 0; k < k_in; ++k) {
         const float *b = panel + k * NR;
         const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16);
-        _mm_prefetch((const char *)(b + PREFETCH_K * NR), _MM_HINT_T0);
-        _mm_prefetch((const char *)(b + PREFETCH_K * NR + 16), _MM_HINT_T0);
+        if (R >= PREFETCH_ROWS) {  /* R is a constant: resolved at compile time */
+            _mm_prefetch((const char *)(b + PREFETCH_K * NR), _MM_HINT_T0);
+            _mm_prefetch((const char *)(b + PREFETCH_K * NR + 16), _MM_HINT_T0);
+        }
         for (int r = 0; r < R; ++r) {
             const __m512 a = _mm512_set1_ps(x[r * k_in + k]);
             acc[r][0] = _mm512_fmadd_ps(a, b0, acc[r][0]);
@@ -156,7 +161,7 @@ void tandem_packed_linear_f32(const float *x, const float *packed, const float *
                               int64_t m_rows, int64_t n_out, int64_t k_in) {
     const int64_t panels = (n_out + NR - 1) / NR;
 #if PAIRS
-    const int pairs = m_rows >= PAIR_ROWS || m_rows <= MR2;
+    const int pairs = m_rows >= PAIR_ROWS;
 #endif
 #pragma omp parallel num_threads(tandem_team(panels))
     {
