@@ -22,9 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
+from services.engine.attention_groups import build_group, same_shape
 from services.engine.kv_cache.paged_cache import PagedKVCache
 from services.engine.decode_graphs import DecodeGraphs
-from services.engine.model.attention import AttentionGroup, AttentionMetadata
+from services.engine.model.attention import AttentionMetadata
 from services.engine.model.llama import LlamaModel
 from services.engine.model.triton_attention import select_attention
 from services.engine.sampler import Sampler, SamplingBatch, TokenLogprob
@@ -152,17 +153,18 @@ class ModelRunner:
         """The torch backend's step: padded attention groups; logits ``[R, V]`` or None."""
         dev = self.device
         decodes, speculating, chunks = groups
+        flat = torch.tensor([ids, positions, slots], dtype=torch.long).to(dev)  # [3, T]
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            groups=[g for g in map(self._group, [decodes, speculating, *_same_shape(chunks)])
+            slot_mapping=flat[2],
+            groups=[g for g in (build_group(e, self.block_size, self.sliding_window, dev)
+                                for e in [decodes, speculating, *same_shape(chunks)])
                     if g is not None])
-        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
-                            torch.tensor(positions, dtype=torch.long, device=dev),
-                            self.kv_cache.kv, meta, on_layer_done)
+        hidden = self.model(flat[0], flat[1], self.kv_cache.kv, meta, on_layer_done)
         if not sample_rows:
             return None
-        index = torch.tensor(sample_rows, dtype=torch.long, device=dev)
-        return self.model.compute_logits(hidden[index])  # [R, V]
+        if len(sample_rows) < len(ids):  # (distinct and increasing: as many means every row)
+            hidden = hidden[torch.tensor(sample_rows, dtype=torch.long, device=dev)]
+        return self.model.compute_logits(hidden)  # [R, V]
 
     def _varlen_logits(self, entries: list[Entry], ids: list[int], positions: list[int],
                        slots: list[int], sample_rows: list[int],
@@ -208,53 +210,3 @@ class ModelRunner:
         if num_output >= p.min_tokens:
             return ()
         return p.stop_token_ids + (() if p.ignore_eos else self.eos_token_ids)
-
-    def _group(self, entries: list[tuple[int, int, int, list[int]]]) -> AttentionGroup | None:
-        """Pad ``(flat offset, cursor, n new, block ids)`` entries into one attention group."""
-        if not entries:
-            return None
-        dev, bs = self.device, self.block_size
-        q_len = max(e[2] for e in entries)
-        max_blocks = max(-(-(e[1] + e[2]) // bs) for e in entries)
-        pad = [0] * max_blocks
-        table = torch.tensor([(e[3][:-(-(e[1] + e[2]) // bs)] + pad)[:max_blocks]
-                              for e in entries], dtype=torch.long)  # one copy, not one per row
-        offsets = torch.tensor([e[0] for e in entries])  # [B]
-        starts = torch.tensor([e[1] for e in entries])
-        lens = torch.tensor([e[2] for e in entries])
-        i = torch.arange(q_len)
-        valid = i[None, :] < lens[:, None]  # [B, Q]
-        token_index = torch.where(valid, offsets[:, None] + i[None, :], 0)
-        q_pos = starts[:, None] + torch.minimum(i[None, :], lens[:, None] - 1)  # [B, Q]
-        all_valid = bool(valid.all())
-        # whole prompts of one length from position 0: plain causal attention, no mask
-        causal = q_len > 1 and all_valid and not bool(starts.any()) and (
-            self.sliding_window is None or self.sliding_window >= q_len)
-        mask = None
-        if not causal:
-            k_pos = torch.arange(max_blocks * bs)
-            mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, Q, K]
-            if self.sliding_window is not None:
-                mask &= k_pos[None, None, :] > q_pos[:, :, None] - self.sliding_window
-            mask = mask.unsqueeze(1).to(dev)
-        return AttentionGroup(
-            token_index=token_index.to(dev),
-            valid_flat=None if all_valid else valid.flatten().nonzero().squeeze(1).to(dev),
-            token_rows=token_index[valid].to(dev),
-            block_table=table.to(dev),
-            last_pos=(starts + lens - 1).to(dev),
-            mask=mask,
-            first_row=offsets.to(dev),
-            first_pos=starts.to(dev),
-            query_len=lens.to(dev))
-
-
-def _same_shape(chunks: list[Entry]) -> list[list[Entry]]:
-    """Prefill chunks split into groups of one length and start: a padded group would
-    compute a short prompt's attention at its longest member's length (a 32-token prompt
-    beside a 1,024-token one: 32x its work), and whole prompts of one length batch
-    causally without a mask."""
-    by_shape: dict[tuple[int, int], list[Entry]] = {}
-    for e in chunks:
-        by_shape.setdefault((e[1], e[2]), []).append(e)  # (cursor, new tokens)
-    return list(by_shape.values())

@@ -114,10 +114,16 @@ def test_the_stack_refuses_what_it_cannot_run(checkpoints):
         stack(x, positions, kv[:, :, :4].contiguous()[:1], meta)  # one layer's cache
     with pytest.raises(ValueError, match="the decode stack needs"):
         stack(x, positions[:1], kv, meta)  # positions for one row of two
+    before, kv_before = x.clone(), kv.clone()
     meta.slot_mapping[1] = kv.shape[2] * kv.shape[3]  # one past the cache's last slot
     with pytest.raises(ValueError, match="must lie in range"):
         stack(x, positions, kv, meta)
     meta.slot_mapping[1] = 1
+    meta.groups[0].token_rows[0] = -1
+    with pytest.raises(ValueError, match="must lie in range"):
+        stack(x, positions, kv, meta)
+    assert torch.equal(x, before) and torch.equal(kv, kv_before)  # refused before any work
+    meta.groups[0].token_rows[0] = 0
     assert stack(x, positions, kv, meta).shape == x.shape
     layers_done = []  # a per-layer callback (layer-wise KV transfer) keeps the Python forward
     model(torch.tensor([5, 6]), positions, kv, meta, on_layer_done=layers_done.append)

@@ -125,10 +125,6 @@ class DecodeStack:
                 or (kv_cache.shape[4], kv_cache.shape[5]) != (kv_heads, head_dim):
             raise ValueError("the decode stack needs contiguous fp32 activations [M, hidden], int64 "
                              "indices of M rows and an fp32 or bf16 cache [L, 2, blocks, bs, KVH, D]")
-        slots = kv_cache.shape[2] * kv_cache.shape[3]
-        if rows and (int(g.token_rows.min()) < 0 or int(g.token_rows.max()) >= rows
-                     or int(meta.slot_mapping.min()) < 0 or int(meta.slot_mapping.max()) >= slots):
-            raise ValueError("the decode stack's token rows and cache slots must lie in range")
         self._stack.block_size = kv_cache.shape[3]
         self._stack.kv_bf16 = int(kv_cache.dtype == torch.bfloat16)
         out = torch.empty_like(x)
@@ -139,6 +135,8 @@ class DecodeStack:
         if rc == -2:
             raise ValueError(f"the decode stack takes 1..{self.max_rows} rows on these weights, "
                              f"not {rows}")
+        if rc == -3:
+            raise ValueError("the decode stack's token rows and cache slots must lie in range")
         if rc != 0:
             raise MemoryError("the decode stack could not allocate its scratch buffers")
         return out

@@ -23,7 +23,8 @@
  *   kv        [layers, 2, num_blocks, block_size, KVH, D] fp32 or bf16 contiguous
  * Returns 0; -1 when a scratch buffer cannot be allocated (nothing written then, or the
  * step's KV partly), -2 when M is out of range (nothing done): 1 .. TANDEM_GEMV_MAX_ROWS
- * on plain weights, any M >= 1 on packed ones.
+ * on plain weights, any M >= 1 on packed ones; -3 when a token row is not in 0 .. M - 1
+ * or a slot not in the cache (nothing done).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -89,6 +90,10 @@ int tandem_decode_stack(const tandem_stack *s, float *x, float *out, int64_t m,
                         const int64_t *block_table, int64_t table_stride, void *kv,
                         int64_t num_blocks, int64_t head_splits) {
     if (m < 1 || (!s->weight_packed && m > TANDEM_GEMV_MAX_ROWS)) return -2;
+    for (int64_t r = 0; r < m; ++r)
+        if (token_rows[r] < 0 || token_rows[r] >= m || slots[r] < 0
+                || slots[r] >= num_blocks * s->block_size)
+            return -3;
     const int64_t hidden = s->hidden, d = s->head_dim;
     const int64_t q_size = s->heads * d, kv_size = s->kv_heads * d;
     const int64_t qkv_width = q_size + 2 * kv_size, inter = s->inter;
