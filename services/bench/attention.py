@@ -46,6 +46,7 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     from services.bench.offline import read_bandwidth_gbs
+    from services.engine import huge_pages
     from services.engine.model import cpu_kernels
 
     torch.set_num_threads(args.threads)
@@ -61,8 +62,9 @@ def main(args: argparse.Namespace) -> int:
     num_blocks = rows * per_row + 1
     gen = torch.Generator().manual_seed(0)
     table = torch.randperm(num_blocks, generator=gen)[:rows * per_row].view(rows, per_row)
-    caches = [(torch.randn(num_blocks, bs, kvh, d, generator=gen).to(dtype),
-               torch.randn(num_blocks, bs, kvh, d, generator=gen).to(dtype)) for _ in range(args.layers)]
+    caches = [(huge_pages.copy_of(torch.randn(num_blocks, bs, kvh, d, generator=gen).to(dtype)),
+               huge_pages.copy_of(torch.randn(num_blocks, bs, kvh, d, generator=gen).to(dtype)))
+              for _ in range(args.layers)]  # on huge pages, as the engine's cache is
     q = torch.randn(rows, args.heads, d, generator=gen)  # [rows, H, D]
     out = torch.empty_like(q)
     token_rows = torch.arange(rows)
