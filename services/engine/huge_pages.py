@@ -76,7 +76,10 @@ def _mapping(nbytes: int) -> torch.Tensor:
     ``nbytes`` from its first 2 MB boundary (the tensor keeps the mapping alive)."""
     size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
     m = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    m.madvise(mmap.MADV_HUGEPAGE)
+    try:
+        m.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # a kernel (or sandbox) that refuses: ordinary pages, the same memory
+        pass
     whole = torch.frombuffer(m, dtype=torch.uint8)
     skip = -whole.data_ptr() % HUGE_PAGE
     return whole[skip:skip + nbytes]

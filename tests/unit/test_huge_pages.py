@@ -88,3 +88,19 @@ def test_packed_weights_and_the_cpu_kv_cache_are_on_huge_pages() -> None:
     assert lin.layout == "packed" and thp_eligible(lin.weight)
     cache = PagedKVCache(2, 8, 16, 2, 64, torch.float32, torch.device("cpu"))
     assert thp_eligible(cache.kv) and not bool(cache.kv.any())
+
+
+def test_a_kernel_that_refuses_the_advice_still_gets_its_memory(monkeypatch) -> None:
+    import mmap
+    import types
+
+    class Refusing(mmap.mmap):
+        def madvise(self, *args):
+            raise OSError(22, "Invalid argument")
+
+    fake = types.SimpleNamespace(mmap=Refusing, MAP_PRIVATE=mmap.MAP_PRIVATE,
+                                 MAP_ANONYMOUS=mmap.MAP_ANONYMOUS, MADV_HUGEPAGE=14)
+    monkeypatch.setattr(huge_pages, "mmap", fake)
+    t = huge_pages._mapping(3 * 2**20).view(torch.float32)
+    t.fill_(2.0)
+    assert t.numel() == 3 * 2**20 // 4 and bool((t == 2).all())
