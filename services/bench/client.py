@@ -170,8 +170,19 @@ def wait_ready(url: str, proc: subprocess.Popen | None = None, timeout_s: float 
 
 
 def first_model(url: str) -> str:
-    """The id of the first model ``{url}/v1/models`` lists."""
-    return httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+    """The id of the first model ``{url}/v1/models`` lists; ConnectionError, with what went
+    wrong, where the server cannot be reached or lists none."""
+    try:
+        resp = httpx.get(f"{url}/v1/models", timeout=10)
+    except httpx.HTTPError as e:
+        raise ConnectionError(f"cannot reach {url}: {e}") from None
+    try:
+        resp.raise_for_status()
+        return resp.json()["data"][0]["id"]
+    except httpx.HTTPStatusError:
+        raise ConnectionError(f"{url}/v1/models: HTTP {resp.status_code}") from None
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise ConnectionError(f"{url}/v1/models lists no model (is it an OpenAI-compatible server?)") from None
 
 
 _READY = re.compile(r'^tandem_workers_ready\{role="([^"]+)"\}\s+([0-9.eE+-]+)', re.M)

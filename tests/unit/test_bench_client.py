@@ -159,3 +159,44 @@ def test_ratio_table_divides_by_the_baseline():
     assert rows["p90 TPOT (ms) @ 1/s"]["ratio_to_baseline"]["disaggregated"] == pytest.approx(0.8)
     zero = ratios([_result("a", 1.0, 1.0, 1.0, 1.0), _result("colocated", 0.0, 1.0, 1.0, 1.0)], "colocated")
     assert zero["rows"][0]["ratio_to_baseline"]["a"] is None  # no division by a zero goodput
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("status, body", [(404, b"not here"), (200, b"<html>hello</html>"),
+                                          (200, b'{"data": []}')])
+def test_bench_serve_says_what_is_wrong_with_the_server_it_was_given(capsys, status, body):
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from services.cluster.cli import main
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    argv = ["bench", "serve", "--num-prompts", "2", "--rates", "1", "--no-plots"]
+    assert main([*argv, "--url", f"http://127.0.0.1:{_closed_port()}"]) == 2
+    assert "cannot reach http://127.0.0.1:" in capsys.readouterr().err
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert main([*argv, "--url", f"http://127.0.0.1:{server.server_port}"]) == 2
+    finally:
+        server.shutdown()
+        server.server_close()
+    err = capsys.readouterr().err
+    assert err.startswith("tandem: error: ") and "Traceback" not in err
+    assert (f"HTTP {status}" if status != 200 else "lists no model") in err
