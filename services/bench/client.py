@@ -169,20 +169,24 @@ def wait_ready(url: str, proc: subprocess.Popen | None = None, timeout_s: float 
     raise TimeoutError(f"{url} not ready after {timeout_s:.0f}s")
 
 
+class ServerUnusable(ConnectionError):
+    """The server a benchmark was pointed at cannot be reached or serves no model."""
+
+
 def first_model(url: str) -> str:
-    """The id of the first model ``{url}/v1/models`` lists; ConnectionError, with what went
+    """The id of the first model ``{url}/v1/models`` lists; ServerUnusable, with what went
     wrong, where the server cannot be reached or lists none."""
     try:
         resp = httpx.get(f"{url}/v1/models", timeout=10)
-    except httpx.HTTPError as e:
-        raise ConnectionError(f"cannot reach {url}: {e}") from None
+    except (httpx.HTTPError, httpx.InvalidURL) as e:
+        raise ServerUnusable(f"cannot reach {url}: {e}") from None
     try:
         resp.raise_for_status()
         return resp.json()["data"][0]["id"]
     except httpx.HTTPStatusError:
-        raise ConnectionError(f"{url}/v1/models: HTTP {resp.status_code}") from None
+        raise ServerUnusable(f"{url}/v1/models: HTTP {resp.status_code}") from None
     except (ValueError, KeyError, IndexError, TypeError):
-        raise ConnectionError(f"{url}/v1/models lists no model (is it an OpenAI-compatible server?)") from None
+        raise ServerUnusable(f"{url}/v1/models lists no model (is it an OpenAI-compatible server?)") from None
 
 
 _READY = re.compile(r'^tandem_workers_ready\{role="([^"]+)"\}\s+([0-9.eE+-]+)', re.M)

@@ -160,9 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from services.bench.client import ServerUnusable  # a benchmark's server: a message, not a traceback
+
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, ConnectionError) as e:
+    except (ValueError, FileNotFoundError, ServerUnusable) as e:
         print(f"tandem: error: {e}", file=sys.stderr)
         return 2
 

@@ -13,7 +13,9 @@ ask. ``empty`` carves tensors out of anonymous mappings that do, from a 2 MB bou
 as long as any tensor carved from it; its pages are backed when first written, so an
 unused tail costs address space only. Where huge pages cannot be had (another OS,
 THP ``never``), or with ``TANDEM_HUGE_PAGES=0`` in the environment, ``empty`` is
-``torch.empty``.
+``torch.empty``. Freed tensors' memory is not reused: a chunk stays mapped while any
+tensor from it (or the arena, for its current chunk) lives; weights and caches are
+allocated once per engine, so this costs at most a chunk per process.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ def thp_mode() -> str:
 
 
 def available() -> bool:
-    """Whether ``empty`` hands out huge-page-backed memory here."""
+    """Whether ``empty`` hands out memory that asks for huge pages here (a kernel may still
+    refuse the advice: then the pages are ordinary ones)."""
     return os.environ.get("TANDEM_HUGE_PAGES", "1") != "0" and hasattr(mmap, "MADV_HUGEPAGE") \
         and thp_mode() in ("always", "madvise")
 
@@ -108,7 +111,10 @@ def zeros(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float3
 
 
 def copy_of(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of CPU tensor ``t`` on huge pages where ``available()``."""
+    """``t`` (a CPU tensor) contiguous, copied onto huge pages where ``available()``; else
+    ``t.contiguous()`` (no copy when it already is)."""
+    if not available():
+        return t.contiguous()
     out = empty(t.shape, t.dtype)
     out.copy_(t)
     return out

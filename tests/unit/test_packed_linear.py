@@ -45,8 +45,8 @@ def test_it_computes_the_plain_product_for_every_row_count(n, k, bias):
 
 @pytest.mark.parametrize("n,k", [(100, 576), (161, 40)])
 def test_a_row_comes_out_bit_identical_alone_and_in_any_batch(n, k):
-    """Alone, or with up to 5 more, a row takes the two-panel micro-kernel; in a batch of 7 to
-    127 the one-panel one; from 128 on the two-panel one again."""
+    """In a batch of up to 127 rows a row takes the one-panel micro-kernel (up to 8 rows
+    without software prefetch), from 128 on the two-panel one."""
     kernels = packed_linear.load()
     w, b, gen = _case(n, k, bias=True)
     packed = kernels.pack(w)

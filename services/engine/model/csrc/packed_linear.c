@@ -12,7 +12,7 @@
  *     channels) for MR2 = 6 rows: per k four panel loads and 6 broadcasts feed 24 FMAs
  *     (the 14 x 32 tile needs 16 loads for 28), 5-8% faster on 512-1,024-row prompts.
  *     A decode step streams one panel at a time, as the hardware prefetcher likes it:
- *     tiles of fewer than PREFETCH_ROWS rows issue no software prefetch, which at 1-8
+ *     tiles of fewer than PREFETCH_MIN_ROWS rows issue no software prefetch, which at 1-8
  *     rows only took load slots from the stream (1-12% faster without on an AMD EPYC,
  *     the product then reads at the rate of a plain streaming sum; two panels at once
  *     were slower still); tiles of more rows compute long enough per load that it helps.
@@ -42,7 +42,7 @@
 #define MR2 6                /* input rows per two-panel micro-tile */
 #define PAIR_ROWS 128        /* from this many rows on, two panels at a time */
 #define PREFETCH_K 16        /* k steps ahead (2 KB of the panel) */
-#define PREFETCH_ROWS 9      /* tiles of this many rows and more prefetch the panel */
+#define PREFETCH_MIN_ROWS 9      /* tiles of this many rows and more prefetch the panel */
 
 void tandem_pack_linear_f32(const float *w, float *packed, int64_t n_out, int64_t k_in) {
     const int64_t panels = (n_out + NR - 1) / NR;
@@ -69,7 +69,7 @@ static inline __attribute__((always_inline)) void tile(
     for (int64_t k = 0; k < k_in; ++k) {
         const float *b = panel + k * NR;
         const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16);
-        if (R >= PREFETCH_ROWS) {  /* R is a constant: resolved at compile time */
+        if (R >= PREFETCH_MIN_ROWS) {  /* R is a constant: resolved at compile time */
             _mm_prefetch((const char *)(b + PREFETCH_K * NR), _MM_HINT_T0);
             _mm_prefetch((const char *)(b + PREFETCH_K * NR + 16), _MM_HINT_T0);
         }
