@@ -3,9 +3,10 @@ optionally, another OpenAI-compatible server, on one request sequence and one ra
 
 Each tandem system is started in turn as its own ``tandem serve`` subprocess on a free
 port (stopped before the next starts, also on errors); ``--other-url`` is measured as it
-is. Every system gets the same seeded requests at the same arrival times. Writes each
-system's results (``<label>-results.json`` and PNGs), ``compare.json`` and
-``compare.png`` into ``--out-dir``, and prints a ratio table against the baseline.
+is, last, but checked first (it must list a model at ``/v1/models``). Every system gets the
+same seeded requests at the same arrival times. Writes each system's results
+(``<label>-results.json`` and PNGs), ``compare.json`` and ``compare.png`` into
+``--out-dir``, and prints a ratio table against the baseline.
 """
 
 from __future__ import annotations
@@ -112,6 +113,11 @@ def main(args: argparse.Namespace) -> int:
     out_dir = Path(args.out_dir) if args.out_dir else serve_bench.default_out_dir("compare")
     out_dir.mkdir(parents=True, exist_ok=True)
     p = serve_bench.plan(args)
+    other = None
+    if args.other_url:  # before the tandem sweeps: an unusable URL fails now, not minutes later
+        url = args.other_url.rstrip("/")
+        listed = first_model(url)
+        other = url, args.other_model_name or listed
     results: list[dict[str, Any]] = []
     for label, make in _servers(args, model):
         server = make(log=out_dir / f"{label}-server.log")
@@ -122,10 +128,8 @@ def main(args: argparse.Namespace) -> int:
         serve_bench.write(result, out_dir, not args.no_plots, stem=f"{label}-")
         serve_bench.print_summary(result)
         results.append(result)
-    if args.other_url:
-        url = args.other_url.rstrip("/")
-        name = args.other_model_name or first_model(url)
-        result = serve_bench.sweep(url, name, p, args, args.other_label, {"model_path": model})
+    if other is not None:
+        result = serve_bench.sweep(*other, p, args, args.other_label, {"model_path": model})
         serve_bench.write(result, out_dir, not args.no_plots, stem=f"{args.other_label}-")
         serve_bench.print_summary(result)
         results.append(result)

@@ -200,3 +200,18 @@ def test_bench_serve_says_what_is_wrong_with_the_server_it_was_given(capsys, sta
     err = capsys.readouterr().err
     assert err.startswith("tandem: error: ") and "Traceback" not in err
     assert (f"HTTP {status}" if status != 200 else "lists no model") in err
+
+
+def test_bench_compare_checks_the_other_server_before_starting_its_own(capsys, tmp_path, monkeypatch):
+    from services.bench import compare
+    from services.cluster.cli import main
+
+    def must_not_start(*args, **kwargs):
+        raise AssertionError("a tandem server was started before --other-url was checked")
+
+    monkeypatch.setattr(compare, "_servers", must_not_start)
+    argv = ["bench", "compare", "--num-prompts", "2", "--rates", "1", "--no-plots",
+            "--out-dir", str(tmp_path), "--other-model-name", "bench"]
+    assert main([*argv, "--other-url", f"http://127.0.0.1:{_closed_port()}"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot reach http://127.0.0.1:" in err and "Traceback" not in err
