@@ -153,13 +153,18 @@ class ModelRunner:
         """The torch backend's step: padded attention groups; logits ``[R, V]`` or None."""
         dev = self.device
         decodes, speculating, chunks = groups
-        flat = torch.tensor([ids, positions, slots], dtype=torch.long).to(dev)  # [3, T]
-        meta = AttentionMetadata(
-            slot_mapping=flat[2],
-            groups=[g for g in (build_group(e, self.block_size, self.sliding_window, dev)
-                                for e in [decodes, speculating, *same_shape(chunks)])
-                    if g is not None])
-        hidden = self.model(flat[0], flat[1], self.kv_cache.kv, meta, on_layer_done)
+        stack = self.model.decode_stack
+        if stack is not None and not speculating and not chunks and on_layer_done is None \
+                and len(ids) <= stack.max_rows:  # a pure decode step: one native call
+            hidden = stack.run(ids, positions, slots, [e[3] for e in decodes], self.kv_cache.kv)
+        else:
+            flat = torch.tensor([ids, positions, slots], dtype=torch.long).to(dev)  # [3, T]
+            meta = AttentionMetadata(
+                slot_mapping=flat[2],
+                groups=[g for g in (build_group(e, self.block_size, self.sliding_window, dev)
+                                    for e in [decodes, speculating, *same_shape(chunks)])
+                        if g is not None])
+            hidden = self.model(flat[0], flat[1], self.kv_cache.kv, meta, on_layer_done)
         if not sample_rows:
             return None
         if len(sample_rows) < len(ids):  # (distinct and increasing: as many means every row)

@@ -32,8 +32,8 @@ def _engine(path, dtype: str, layout: str = "plain") -> LLM:
 def _stack_steps(monkeypatch) -> list[int]:
     """The rows of each step the decode stack runs from now on."""
     steps: list[int] = []
-    call = DecodeStack.__call__
-    monkeypatch.setattr(DecodeStack, "__call__", lambda self, *a: steps.append(a[0].shape[0]) or call(self, *a))
+    run = DecodeStack.run
+    monkeypatch.setattr(DecodeStack, "run", lambda self, ids, *a: steps.append(len(ids)) or run(self, ids, *a))
     return steps
 
 
@@ -90,41 +90,40 @@ def test_no_stack_where_it_cannot_run(checkpoints):
 
 
 def test_the_stack_refuses_what_it_cannot_run(checkpoints):
-    from services.engine.model.attention import AttentionGroup, AttentionMetadata
-
     llm = _engine(checkpoints["llama3"], "float32")
     model, kv = llm.engine.runner.model, llm.engine.kv_cache.kv
-    stack = model.decode_stack
+    stack, vocab = model.decode_stack, model.config.vocab_size
+    blocks, block_size = kv.shape[2], kv.shape[3]
 
-    def step(rows: int):
-        idx = torch.arange(rows)
-        group = AttentionGroup(token_index=idx[:, None], valid_flat=None, token_rows=idx,
-                               block_table=torch.zeros(rows, 1, dtype=torch.long), last_pos=idx * 0,
-                               mask=None, first_row=idx, first_pos=idx * 0, query_len=idx * 0 + 1)
-        meta = AttentionMetadata(slot_mapping=idx.clone(), groups=[group])
-        return torch.randn(rows, model.config.hidden_size), idx * 0, meta
+    def step(rows: int):  # ids, positions, slots, block ids: row r at position r of block r
+        return [5] * rows, list(range(rows)), [r * block_size + r for r in range(rows)], [[r] for r in range(rows)]
 
-    x, positions, meta = step(GEMV_MAX_ROWS + 1)
-    assert not stack.accepts(x.shape[0], meta)
     with pytest.raises(ValueError, match=f"1..{GEMV_MAX_ROWS} rows on these weights, not {GEMV_MAX_ROWS + 1}"):
-        stack(x, positions, kv, meta)
-    x, positions, meta = step(2)
-    assert stack.accepts(2, meta)
+        stack.run(*step(GEMV_MAX_ROWS + 1), kv)
     with pytest.raises(ValueError, match="the decode stack needs"):
-        stack(x, positions, kv[:, :, :4].contiguous()[:1], meta)  # one layer's cache
+        stack.run(*step(2), kv[:, :, :4].contiguous()[:1])  # one layer's cache
+    ids, positions, slots, block_ids = step(2)
     with pytest.raises(ValueError, match="the decode stack needs"):
-        stack(x, positions[:1], kv, meta)  # positions for one row of two
-    before, kv_before = x.clone(), kv.clone()
-    meta.slot_mapping[1] = kv.shape[2] * kv.shape[3]  # one past the cache's last slot
-    with pytest.raises(ValueError, match="must lie in range"):
-        stack(x, positions, kv, meta)
-    meta.slot_mapping[1] = 1
-    meta.groups[0].token_rows[0] = -1
-    with pytest.raises(ValueError, match="must lie in range"):
-        stack(x, positions, kv, meta)
-    assert torch.equal(x, before) and torch.equal(kv, kv_before)  # refused before any work
-    meta.groups[0].token_rows[0] = 0
-    assert stack(x, positions, kv, meta).shape == x.shape
-    layers_done = []  # a per-layer callback (layer-wise KV transfer) keeps the Python forward
-    model(torch.tensor([5, 6]), positions, kv, meta, on_layer_done=layers_done.append)
-    assert layers_done == list(range(model.config.num_layers))
+        stack.run(ids, positions[:1], slots, block_ids, kv)  # a position for one row of two
+    kv_before = kv.clone()
+    for bad in ({"slots": [0, blocks * block_size]},  # one past the cache's last slot
+                {"ids": [5, vocab]}, {"ids": [-1, 5]},  # not in the embedding table
+                {"block_ids": [[0], [blocks]]}, {"block_ids": [[0], [-1]]},  # blocks not in the cache
+                {"positions": [0, block_size]}):  # reads a second block its list does not have
+        args = dict(ids=ids, positions=positions, slots=slots, block_ids=block_ids) | bad
+        with pytest.raises(ValueError, match="must lie in range"):
+            stack.run(**args, kv_cache=kv)
+    assert torch.equal(kv, kv_before)  # refused before any work
+    assert stack.run(ids, positions, slots, block_ids, kv).shape == (2, model.config.hidden_size)
+
+
+def test_a_per_layer_callback_keeps_the_python_forward(checkpoints, monkeypatch):
+    """Layer-wise KV transfer hooks every layer, also of a one-token prompt (a decode-shaped step)."""
+    llm = _engine(checkpoints["llama3"], "float32")
+    steps = _stack_steps(monkeypatch)
+    llm.engine.add_request("one", [7], SamplingParams(max_tokens=2, ignore_eos=True))
+    layers_done: list[int] = []
+    llm.engine.step(lambda i, seqs: layers_done.append(i))
+    assert layers_done == list(range(llm.engine.runner.model.config.num_layers)) and not steps
+    llm.engine.step()  # its decode step runs native
+    assert steps == [1]

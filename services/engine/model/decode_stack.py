@@ -9,8 +9,9 @@ KV written are bit-identical to the Python path's.
 It runs where every projection is a ``CpuLinear`` on a native kernel (packed fp32
 weights, the default, for any number of rows; or plain weights on the GEMV, up to 16
 rows with fp32 weights and 2 with bf16: oneDNN's blocked layout is opaque to C), the
-layers have no q/k norms, and a step is one decode group of at most ``max_rows`` rows
-with no per-layer callback. Other steps keep the Python forward.
+layers have no q/k norms and the embedding table is fp32 or bf16. ``ModelRunner`` runs
+a step here when every row is a decode (one token per sequence), at most ``max_rows`` of
+them, with no per-layer callback; other steps keep the Python forward.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from services.engine.model.attention import AttentionMetadata, TorchPagedAttention
+from services.engine.model.attention import TorchPagedAttention
 from services.engine.model.cpu_kernels import CpuKernels, head_splits
 from services.engine.model.onednn import CpuLinear
 
@@ -42,10 +43,10 @@ class _Layer(ctypes.Structure):
 class _Stack(ctypes.Structure):
     _fields_ = [*((name, _i64) for name in (
         "num_layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "block_size",
-        "window")),
+        "window", "vocab")),
         ("eps", ctypes.c_float), ("scale", ctypes.c_float),
         ("weight_bf16", ctypes.c_int32), ("kv_bf16", ctypes.c_int32),
-        ("weight_packed", ctypes.c_int32),
+        ("weight_packed", ctypes.c_int32), ("embed_bf16", ctypes.c_int32), ("embed", _ptr),
         ("cos", _ptr), ("sin", _ptr), ("final_norm", _ptr), ("layers", ctypes.POINTER(_Layer))]
 
 
@@ -72,15 +73,18 @@ class DecodeStack:
         self._tensors = tuple(tensors)  # what the pointers below point into
         self._layers = (_Layer * len(rows))(*rows)
         attn = model.attn
+        table = model.embed_tokens.weight
+        tensors.append(table)
         self._stack = _Stack(
             len(layers), cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-            cfg.intermediate_size, 0, attn.sliding_window or 0, model.norm.eps, attn.scale,
-            int(layers[0].qkv_proj.weight.dtype == torch.bfloat16), 0,
-            int(layers[0].qkv_proj.layout == "packed"), model.rope.cos.data_ptr(),
+            cfg.intermediate_size, 0, attn.sliding_window or 0, table.shape[0], model.norm.eps,
+            attn.scale, int(layers[0].qkv_proj.weight.dtype == torch.bfloat16), 0,
+            int(layers[0].qkv_proj.layout == "packed"), int(table.dtype == torch.bfloat16),
+            table.data_ptr(), model.rope.cos.data_ptr(),
             model.rope.sin.data_ptr(), model.norm.weight.data_ptr(), self._layers)
         fn = self._fn = kernels.lib.tandem_decode_stack
         fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.POINTER(_Stack), _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr,
+        fn.argtypes = [ctypes.POINTER(_Stack), _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr,
                        _i64, _ptr, _i64, _i64]
 
     @classmethod
@@ -95,48 +99,53 @@ class DecodeStack:
         kinds = {(lin.weight.dtype, lin.layout) for lin in linears}
         if len(kinds) != 1 or any(lay.q_norm is not None for lay in model.layers):
             return None
+        table = model.embed_tokens.weight
+        if table.dtype not in (torch.float32, torch.bfloat16) or not table.is_contiguous():
+            return None
         norms = [model.norm.eps, *(n.eps for lay in model.layers
                                    for n in (lay.input_layernorm, lay.post_attention_layernorm))]
         if len(set(norms)) != 1:
             return None
         return cls(model, kernels)
 
-    def accepts(self, num_tokens: int, meta: AttentionMetadata) -> bool:
-        """Whether a step of ``num_tokens`` rows with ``meta`` runs here: one group of
-        decode rows, one per token."""
-        g = meta.decode_group()
-        return g is not None and 1 <= num_tokens <= self.max_rows \
-            and g.token_rows.shape[0] == num_tokens
+    def run(self, ids: list[int], positions: list[int], slots: list[int],
+            block_ids: list[list[int]], kv_cache: torch.Tensor) -> torch.Tensor:
+        """A decode step of ``M = len(ids)`` sequences, one token each: row ``r`` is token
+        ``ids[r]`` at ``positions[r]``, its K/V going to cache slot ``slots[r]``, the
+        sequence's blocks ``block_ids[r]`` (at least those up to its position);
+        ``kv_cache [L, 2, blocks, block_size, KVH, D]`` fp32 or bf16. Returns the
+        final-normed hidden states ``[M, hidden]``.
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                 meta: AttentionMetadata) -> torch.Tensor:
-        """``x [M, hidden]`` fp32 embeddings (the residual stream, updated in place),
-        ``positions [M]``, ``kv_cache [L, 2, blocks, block_size, KVH, D]``; returns the
-        final-normed hidden states ``[M, hidden]``. Needs ``accepts``."""
-        g = meta.groups[0]
-        rows = x.shape[0]
+        The indices travel as one int64 tensor and the embedding rows are gathered in C:
+        a step's host work is a handful of small ops, each slow after the weights' stream
+        has flushed the CPU caches."""
+        rows = len(ids)
         layers, kv_heads, head_dim, hidden = self.shape
-        index = (positions, meta.slot_mapping, g.token_rows, g.last_pos, g.block_table)
-        if any(t.dtype != torch.long or not t.is_contiguous() or t.shape[0] != rows for t in index) \
-                or g.block_table.dim() != 2 or x.dtype != torch.float32 or not x.is_contiguous() \
-                or x.shape != (rows, hidden) or kv_cache.dtype not in (torch.float32, torch.bfloat16) \
-                or not kv_cache.is_contiguous() or kv_cache.dim() != 6 \
-                or (kv_cache.shape[0], kv_cache.shape[1]) != (layers, 2) \
-                or (kv_cache.shape[4], kv_cache.shape[5]) != (kv_heads, head_dim):
-            raise ValueError("the decode stack needs contiguous fp32 activations [M, hidden], int64 "
-                             "indices of M rows and an fp32 or bf16 cache [L, 2, blocks, bs, KVH, D]")
-        self._stack.block_size = kv_cache.shape[3]
-        self._stack.kv_bf16 = int(kv_cache.dtype == torch.bfloat16)
-        out = torch.empty_like(x)
-        rc = self._fn(ctypes.byref(self._stack), x.data_ptr(), out.data_ptr(), rows,
-                      positions.data_ptr(), meta.slot_mapping.data_ptr(), g.token_rows.data_ptr(),
-                      g.last_pos.data_ptr(), g.block_table.data_ptr(), g.block_table.shape[1],
-                      kv_cache.data_ptr(), kv_cache.shape[2], head_splits(rows, kv_heads))
-        if rc == -2:
+        if kv_cache.dtype not in (torch.float32, torch.bfloat16) or not kv_cache.is_contiguous() \
+                or kv_cache.dim() != 6 or (kv_cache.shape[0], kv_cache.shape[1]) != (layers, 2) \
+                or (kv_cache.shape[4], kv_cache.shape[5]) != (kv_heads, head_dim) \
+                or not rows == len(positions) == len(slots) == len(block_ids):
+            raise ValueError("the decode stack needs one position, slot and block list per token "
+                             "and an fp32 or bf16 cache [L, 2, blocks, bs, KVH, D]")
+        if not 1 <= rows <= self.max_rows:
             raise ValueError(f"the decode stack takes 1..{self.max_rows} rows on these weights, "
                              f"not {rows}")
+        bs = kv_cache.shape[3]
+        used = [p // bs + 1 for p in positions]
+        width = max(used)
+        # padded with -1: a row whose list lacks a block it reads is refused in C
+        table = [b for blocks, n in zip(block_ids, used) for b in (*blocks[:n], *(-1,) * (width - len(blocks[:n])))]
+        index = torch.tensor([*ids, *positions, *slots, *range(rows), *table], dtype=torch.long)
+        at = index.data_ptr()  # ids | positions (= each row's last position) | slots | rows | table
+        acts = torch.empty(2, rows, hidden)  # the residual stream, the output
+        self._stack.block_size = bs
+        self._stack.kv_bf16 = int(kv_cache.dtype == torch.bfloat16)
+        step = 8 * rows
+        rc = self._fn(ctypes.byref(self._stack), at, acts.data_ptr(), acts[1].data_ptr(), rows,
+                      at + step, at + 2 * step, at + 3 * step, at + step, at + 4 * step, width,
+                      kv_cache.data_ptr(), kv_cache.shape[2], head_splits(rows, kv_heads))
         if rc == -3:
-            raise ValueError("the decode stack's token rows and cache slots must lie in range")
+            raise ValueError("the decode stack's token ids, cache slots and blocks must lie in range")
         if rc != 0:
             raise MemoryError("the decode stack could not allocate its scratch buffers")
-        return out
+        return acts[1]

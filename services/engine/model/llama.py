@@ -84,7 +84,7 @@ class LlamaModel(nn.Module):
         self.attn: AttentionBackend = TorchPagedAttention(cfg.head_dim ** -0.5, cfg.sliding_window)
         self.rope: RotaryEmbedding | None = None  # built on the real device by the loader
         self.ops: TorchLayerOps = TorchLayerOps()
-        self.decode_stack: DecodeStack | None = None  # with the CPU kernels, where it fits
+        self.decode_stack: DecodeStack | None = None  # CPU kernels, where it fits: ModelRunner's decode steps
 
     @property
     def act_dtype(self) -> torch.dtype:
@@ -162,9 +162,6 @@ class LlamaModel(nn.Module):
         Returns final-normed hidden states ``[T, hidden]``.
         """
         x, delta = self.embed_tokens(input_ids).to(self.act_dtype), None
-        if self.decode_stack is not None and on_layer_done is None \
-                and self.decode_stack.accepts(x.shape[0], meta):
-            return self.decode_stack(x, positions, kv_cache, meta)  # bit-identical, one call
         for i, layer in enumerate(self.layers):
             x, delta = layer(x, delta, positions, self.ops, self.rope, self.attn,
                              kv_cache[i, 0], kv_cache[i, 1], meta)

@@ -1,10 +1,11 @@
-/* A decode step through every decoder layer in one call.
+/* A decode step through every decoder layer in one call, from its token ids.
  *
  * At small batches a step's products are bound by reading the weights; between them
  * a Python forward spends ~0.4 ms a layer dispatching small ops (SmolLM2-135M: ~14 ms
  * of a 39 ms step on two threads, whatever the batch). This chains the same kernels the Python path calls,
  * in the same order and with the same roundings, so every output bit is the same:
  *
+ *   x = the token ids' rows of the embedding table (widened from bf16)
  *   per layer: x += delta; h = RMSNorm(x)            (tandem_add_rms_norm_f32)
  *              qkv = h @ Wqkv.T + b                  (tandem_packed_linear_f32 or tandem_gemv_*)
  *              RoPE on q, k; k, v into the cache     (tandem_rope_f32; a copy, or bf16 RNE)
@@ -17,14 +18,15 @@
  * as CpuLinear rounds them. Supports the layers the Python path has: biases on any
  * projection, GQA, a sliding window; not q/k norms (the caller keeps those in Python).
  *
- *   x         [M, hidden] fp32 residual stream (updated), out [M, hidden] fp32
+ *   ids       [M] int64 token ids; embed [vocab, hidden] fp32 or bf16 (the stack's table)
+ *   x         [M, hidden] fp32 scratch (the residual stream), out [M, hidden] fp32
  *   positions [M] int64 (RoPE), slots [M] int64 (cache slot of each row's K/V)
  *   token_rows, last_pos [M] int64, block_table [M, table_stride] int64: the decode group
  *   kv        [layers, 2, num_blocks, block_size, KVH, D] fp32 or bf16 contiguous
  * Returns 0; -1 when a scratch buffer cannot be allocated (nothing written then, or the
  * step's KV partly), -2 when M is out of range (nothing done): 1 .. TANDEM_GEMV_MAX_ROWS
- * on plain weights, any M >= 1 on packed ones; -3 when a token row is not in 0 .. M - 1
- * or a slot not in the cache (nothing done).
+ * on plain weights, any M >= 1 on packed ones; -3 when a token id is not in the table, a
+ * token row not in 0 .. M - 1, a slot or a block a row reads not in the cache (nothing done).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -43,9 +45,10 @@ typedef struct {
 } tandem_layer;
 
 typedef struct {
-    int64_t num_layers, hidden, heads, kv_heads, head_dim, inter, block_size, window;
+    int64_t num_layers, hidden, heads, kv_heads, head_dim, inter, block_size, window, vocab;
     float eps, scale;
-    int32_t weight_bf16, kv_bf16, weight_packed;
+    int32_t weight_bf16, kv_bf16, weight_packed, embed_bf16;
+    const void *embed;      /* [vocab, hidden] */
     const float *cos, *sin; /* [positions, D] */
     const float *final_norm;
     const tandem_layer *layers;
@@ -84,17 +87,30 @@ static void store_kv(const tandem_stack *s, void *cache, int64_t slot, const flo
     }
 }
 
-int tandem_decode_stack(const tandem_stack *s, float *x, float *out, int64_t m,
+int tandem_decode_stack(const tandem_stack *s, const int64_t *ids, float *x, float *out, int64_t m,
                         const int64_t *positions, const int64_t *slots,
                         const int64_t *token_rows, const int64_t *last_pos,
                         const int64_t *block_table, int64_t table_stride, void *kv,
                         int64_t num_blocks, int64_t head_splits) {
     if (m < 1 || (!s->weight_packed && m > TANDEM_GEMV_MAX_ROWS)) return -2;
-    for (int64_t r = 0; r < m; ++r)
-        if (token_rows[r] < 0 || token_rows[r] >= m || slots[r] < 0
-                || slots[r] >= num_blocks * s->block_size)
+    for (int64_t r = 0; r < m; ++r) {
+        if (ids[r] < 0 || ids[r] >= s->vocab || token_rows[r] < 0 || token_rows[r] >= m || slots[r] < 0
+                || slots[r] >= num_blocks * s->block_size || last_pos[r] < 0)
             return -3;
+        for (int64_t b = 0; b <= last_pos[r] / s->block_size; ++b) { /* the blocks it reads */
+            const int64_t block = b < table_stride ? block_table[r * table_stride + b] : -1;
+            if (block < 0 || block >= num_blocks) return -3;
+        }
+    }
     const int64_t hidden = s->hidden, d = s->head_dim;
+    for (int64_t r = 0; r < m; ++r) {
+        if (s->embed_bf16) {
+            const uint16_t *row = (const uint16_t *)s->embed + ids[r] * hidden;
+            for (int64_t i = 0; i < hidden; ++i) x[r * hidden + i] = tandem_load_bf16(row + i);
+        } else {
+            memcpy(x + r * hidden, (const float *)s->embed + ids[r] * hidden, (size_t)hidden * sizeof(float));
+        }
+    }
     const int64_t q_size = s->heads * d, kv_size = s->kv_heads * d;
     const int64_t qkv_width = q_size + 2 * kv_size, inter = s->inter;
     const int64_t widest = qkv_width > 2 * inter ? qkv_width : 2 * inter;
