@@ -222,7 +222,7 @@ def main_vllm(args: argparse.Namespace, path: str) -> int:
 def main(args: argparse.Namespace) -> int:
     import torch
 
-    from services.engine import LLM
+    from services.engine import LLM, heap
 
     path = model_path(args.model)
     if args.vllm_python:
@@ -234,6 +234,7 @@ def main(args: argparse.Namespace) -> int:
     llm = LLM(path, num_threads=args.threads, max_num_batched_tokens=4096,
               onednn=not args.no_onednn, cpu_kernels=not args.no_cpu_kernels,
               cpu_weight_layout=args.cpu_weight_layout)
+    heap.freeze()  # this process holds the engine to its end, as a worker actor does
     vocab = min(llm.engine.model_config.vocab_size, llm.tokenizer.vocab_size)
     prompts = _prompts(args.num_prompts, args.input_len, vocab, args.seed)
     total_out = args.num_prompts * args.output_len

@@ -21,6 +21,7 @@ class StepTimer:
         import torch
 
         from services.common.config import CacheConfig
+        from services.engine import heap
         from services.engine.engine import LLMEngine  # torch: loaded in the actor only
 
         if niceness:
@@ -32,6 +33,8 @@ class StepTimer:
         self.engine = LLMEngine(self.config)
         self.rng = np.random.default_rng(seed)
         self.n = 0
+        if heap.in_actor_process():  # as a worker actor freezes its heap (EngineWorker)
+            heap.freeze()
 
     def pid(self) -> int:
         return os.getpid()

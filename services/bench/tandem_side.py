@@ -38,12 +38,15 @@ def load(**req: Any) -> tuple[TandemBackend, dict[str, Any]]:
     ``weight_layout`` optional)."""
     import torch
 
+    from services.engine import heap
+
     backend = TandemBackend(req["model"], int(req["threads"]), int(req["max_model_len"]),
                             int(req["max_num_batched_tokens"]), int(req["seed"]),
                             onednn=bool(req.get("onednn", True)),
                             cpu_kernels=bool(req.get("cpu_kernels", True)),
                             dtype=str(req.get("dtype", "float32")),
                             weight_layout=str(req.get("weight_layout", EngineConfig.cpu_weight_layout)))
+    heap.freeze()  # a side process holds its engine to the end (as vLLM's engine core freezes its heap)
     return backend, {"engine": "tandem", "torch": torch.__version__}
 
 

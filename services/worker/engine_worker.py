@@ -24,6 +24,7 @@ import torch
 
 from services.common.config import EngineConfig, EngineRole
 from services.common.metrics import worker_metrics
+from services.engine import heap
 from services.engine.engine import LLMEngine
 from services.engine.engine_loop import EngineLoop
 from services.protocol.messages import CompatibilityDescriptor
@@ -66,6 +67,8 @@ class EngineWorker:
         self.loop.call(lambda e: self.sync.bind(self.compute_stream))  # before any request
         self.transfer_failures = 0
         self._generation, self._identity = 0, None  # of the gateway that owns this worker
+        if heap.in_actor_process():  # this process serves this engine to its end
+            heap.freeze()
 
     def ready(self) -> str:
         return self.worker_id

@@ -4,10 +4,12 @@ the offline engine in every mode, KV bytes accounted, every block free afterward
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
 import time
 
 import pytest
+import ray
 
 from services.common.config import CacheConfig, ClusterConfig, EngineConfig
 from services.common.sampling_params import SamplingParams
@@ -85,6 +87,9 @@ def test_outputs_match_offline_engine(ray_session, checkpoint, prompts, referenc
     cluster = Cluster(_config(checkpoint, **MODES[mode])).start()
     try:
         assert run_all(cluster, prompts) == reference
+        workers = cluster.prefill + cluster.decode  # each froze its start-up heap (engine/heap.py)
+        assert all(ray.get([w.actor.__ray_call__.remote(lambda actor: gc.get_freeze_count() > 0)
+                            for w in workers], timeout=60))
         stats = wait_all_free(cluster)
         for s in stats:
             assert s["free_blocks"] == s["total_blocks"], f"{s['worker_id']} leaked blocks"
