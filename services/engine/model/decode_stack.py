@@ -57,8 +57,8 @@ def _ptr_of(t: torch.Tensor | None) -> int | None:
 class DecodeStack:
     def __init__(self, model: LlamaModel, kernels: CpuKernels) -> None:
         """Use ``build``, which checks that ``model`` fits. The stack holds pointers to the
-        model's weights, norms and RoPE tables, so it is built last, once they are final
-        (``LlamaModel.use_cpu_kernels``), and keeps those tensors alive."""
+        model's weights, norms, RoPE and embedding tables, so it is built last, once they
+        are final (``LlamaModel.use_cpu_kernels``), and keeps those tensors alive."""
         cfg, layers = model.config, model.layers
         self.max_rows = layers[0].qkv_proj.native_rows
         self.shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size)
@@ -70,11 +70,10 @@ class DecodeStack:
                          *(getattr(lay, n).bias for n in _PROJECTIONS)]
             tensors += [t for t in per_layer if t is not None]
             rows.append(_Layer(*(_ptr_of(t) for t in per_layer)))
-        self._tensors = tuple(tensors)  # what the pointers below point into
+        table = model.embed_tokens.weight
+        self._tensors = (*tensors, table)  # what the pointers below point into
         self._layers = (_Layer * len(rows))(*rows)
         attn = model.attn
-        table = model.embed_tokens.weight
-        tensors.append(table)
         self._stack = _Stack(
             len(layers), cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
             cfg.intermediate_size, 0, attn.sliding_window or 0, table.shape[0], model.norm.eps,
@@ -134,7 +133,8 @@ class DecodeStack:
         used = [p // bs + 1 for p in positions]
         width = max(used)
         # padded with -1: a row whose list lacks a block it reads is refused in C
-        table = [b for blocks, n in zip(block_ids, used) for b in (*blocks[:n], *(-1,) * (width - len(blocks[:n])))]
+        table = [b for blocks, n in zip(block_ids, used)
+                 for b in (*blocks[:n], *(-1,) * (width - len(blocks[:n])))]
         index = torch.tensor([*ids, *positions, *slots, *range(rows), *table], dtype=torch.long)
         at = index.data_ptr()  # ids | positions (= each row's last position) | slots | rows | table
         acts = torch.empty(2, rows, hidden)  # the residual stream, the output
@@ -144,8 +144,9 @@ class DecodeStack:
         rc = self._fn(ctypes.byref(self._stack), at, acts.data_ptr(), acts[1].data_ptr(), rows,
                       at + step, at + 2 * step, at + 3 * step, at + step, at + 4 * step, width,
                       kv_cache.data_ptr(), kv_cache.shape[2], head_splits(rows, kv_heads))
-        if rc == -3:
-            raise ValueError("the decode stack's token ids, cache slots and blocks must lie in range")
+        if rc in (-2, -3):
+            raise ValueError("the decode stack's rows, token ids, cache slots and blocks "
+                             "must lie in range")
         if rc != 0:
             raise MemoryError("the decode stack could not allocate its scratch buffers")
         return acts[1]
