@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 DRAIN_TIMEOUT_S = 30.0  # how long a drained worker's requests may run before re-drive
 POLL_S = 0.05
+SETTLE_TIMEOUT_S = 30.0  # for the streams of a stopped worker to end or move on
 GROUP_TIMEOUT_S = 60.0
 
 
@@ -80,15 +81,17 @@ def drain_worker(cluster: Cluster, worker_id: str,
         cluster.draining[worker_id] = worker  # a shutdown meanwhile stops it too
     try:
         idle = _wait_idle(worker, t0 + timeout_s)
-        left = len(getattr(worker, "active", ()))  # re-driven when the actor goes
+        running = set(getattr(worker, "active", ()))  # re-driven when the actor goes...
+        finished = getattr(worker, "num_finished", 0)
         with cluster._membership:
             if is_prefill and cluster.config.mode != "colocated":
                 _rebuild_without(cluster, worker)
             else:
                 _stop(worker)
+        left = _not_finished_there(worker, running, finished) if running else 0
     finally:
         cluster.draining.pop(worker_id, None)
-    report = DrainReport(worker_id, idle, 0 if idle else left, time.monotonic() - t0)
+    report = DrainReport(worker_id, idle, left, time.monotonic() - t0)
     cluster._progress(f"drained {worker_id} in {report.seconds:.1f}s" + (
         "" if idle else f" ({report.redriven} requests still running were re-driven)"))
     return report
@@ -110,6 +113,16 @@ def _wait_idle(worker, deadline: float) -> bool:
             return True
         time.sleep(POLL_S)
     return False
+
+
+def _not_finished_there(worker, running: set[str], finished_before: int) -> int:
+    """How many of ``running`` did not end on the stopped ``worker`` (...unless their
+    last token was out already): waits, bounded, until the gateway's streams have all
+    seen the actor go."""
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    while worker.active & running and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    return max(0, len(running) - (worker.num_finished - finished_before))
 
 
 def _stop(worker) -> None:

@@ -104,11 +104,12 @@ class RayPrefill(RayWorker):
 class RayDecode(RayWorker):
     """A decode worker; ``active`` names the requests this gateway has on it (from the
     reservation or the local prefill to the end of the stream or the abort), which a
-    drain waits for."""
+    drain waits for; ``num_finished`` counts the streams that ended on it."""
 
     def __init__(self, actor, worker_id: str, role: str, rank: int | None = None) -> None:
         super().__init__(actor, worker_id, role, rank)
         self.active: set[str] = set()
+        self.num_finished = 0
         self._readers: dict[asyncio.AbstractEventLoop, FeedReader] = {}  # one per event loop
 
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int],
@@ -150,6 +151,7 @@ class RayDecode(RayWorker):
         finally:
             feed.unregister(rid)
             if finished:  # otherwise the driver aborts it
+                self.num_finished += 1
                 self.active.discard(rid)
 
     def _feed(self) -> FeedReader:
