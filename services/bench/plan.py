@@ -1,6 +1,7 @@
 """``tandem plan``: size the pools for a workload and an SLO from a ``tandem profile``.
 
-For every mix within the worker budget (``xP+yD`` disaggregated, ``colocated×n``), the
+For every mix within the worker budget (``xP+yD`` disaggregated, ``xP+yD-conditional``:
+disaggregated with short prompts prefilled on the decode worker, ``colocated×n``), the
 simulator (``services.bench.plan_sim``) serves the workload's request sequence (the same
 one ``tandem bench serve`` sends: preset or dataset lengths, arrivals, seeds) at each
 rate; the records are scored as a measured run is (``services.bench.metrics_math``:
@@ -16,8 +17,6 @@ import argparse
 import dataclasses
 import json
 import math
-import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,50 +24,16 @@ from services.bench import runinfo
 from services.bench import serve as serve_bench
 from services.bench.arrivals import arrival_offsets
 from services.bench.metrics_math import SLO, goodput, summarize
+from services.bench.mix import Mix, all_mixes, helm_values
 from services.bench.perf_model import DecodeModel, PrefillModel, StepModel, TransferModel
 from services.bench.cpu_share import Hardware
 from services.bench.plan_sim import Simulation
 from services.bench.sim_worker import Engine, SimRequest
 from services.bench.profile import background_cores
+from services.common.config import LOCAL_PREFILL_THRESHOLD
+from services.router.config import RouterConfig
 
 SCHEMA = "tandem.plan/v1"
-_MIX = re.compile(r"^(?:(\d+)P\+(\d+)D|colocated[x×*](\d+))$", re.IGNORECASE)
-
-
-@dataclass(frozen=True)
-class Mix:
-    """A pool layout: ``prefill`` + ``decode`` workers, or ``decode`` colocated workers."""
-
-    prefill: int
-    decode: int
-    colocated: bool = False
-
-    @property
-    def workers(self) -> int:
-        return self.decode + (0 if self.colocated else self.prefill)
-
-    @property
-    def label(self) -> str:
-        return f"colocated×{self.decode}" if self.colocated else f"{self.prefill}P+{self.decode}D"
-
-    @classmethod
-    def parse(cls, text: str) -> Mix:
-        """``2P+1D`` | ``colocated×3`` (or ``colocatedx3``); ValueError otherwise."""
-        m = _MIX.match(text.strip())
-        if not m or any(g is not None and int(g) < 1 for g in m.groups()):
-            raise ValueError(f"a mix is xP+yD or colocatedxN with x, y, N >= 1, got {text!r}")
-        if m.group(3):
-            return cls(0, int(m.group(3)), True)
-        return cls(int(m.group(1)), int(m.group(2)))
-
-
-def all_mixes(max_workers: int) -> list[Mix]:
-    """Every disaggregated and colocated mix of at most ``max_workers`` workers, smallest first."""
-    out = [Mix(0, n, True) for n in range(1, max_workers + 1)]
-    out += [Mix(p, d) for total in range(2, max_workers + 1) for p in range(1, total) for d in [total - p]]
-    return sorted(out, key=lambda m: (m.workers, m.colocated, -m.prefill))
-
-
 def quiet_factor(prof: dict[str, Any]) -> float:
     """How much faster the profiled steps run on a quiet machine: the share of the cores the
     profiled worker's threads got next to the cores other processes used meanwhile."""
@@ -106,6 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "unbounded for a GPU profile, one GPU per worker)")
     p.add_argument("--threads-per-worker", type=int, default=None, help="default: the profile's")
     p.add_argument("--prefill-nice", type=int, default=0, help="as `tandem serve --prefill-nice`")
+    p.add_argument("--local-prefill-threshold", type=int, default=LOCAL_PREFILL_THRESHOLD,
+                   help="conditional mixes: prompts shorter than this prefill on the decode worker (as `tandem "
+                   "serve --local-prefill-threshold`)")
     p.add_argument("--background-cores", type=float, default=0.0,
                    help="cores other processes keep busy on the workers' host")
     p.add_argument("--keep-profile-load", action="store_true", help="use the profiled step times as measured "
@@ -178,14 +146,19 @@ def _requests(args: argparse.Namespace, rate_index: int, rate: float, seed: int)
 def simulate(mix: Mix, args: argparse.Namespace, rates: list[float], slo: SLO, prof: dict[str, Any],
              hw: Hardware) -> dict[str, Any]:
     """One mix over the sweep: a results dict shaped like ``tandem bench serve``'s (no per-request list)."""
-    steps, transfer, engine = models(prof, not args.keep_profile_load, mix.colocated)
+    quiet = not args.keep_profile_load
+    steps, transfer, engine = models(prof, quiet, mix.colocated)
+    # a conditional decode worker prefills short prompts on its own layout, as a colocated one does
+    local = models(prof, quiet, colocated=True)[0] if mix.conditional else None
+    router = RouterConfig(local_prefill_threshold=args.local_prefill_threshold)
     runs = []
     work: dict[str, dict[str, float]] = {}  # per worker role, over every run: engine steps, their cost
     for k, rate in enumerate(rates):
         records, duration = [], 0.0
         for rep in range(args.repeats):
             sim = Simulation(_requests(args, k, rate, args.seed + rep), prefill=mix.prefill, decode=mix.decode,
-                             colocated=mix.colocated, steps=steps, transfer=transfer, engine=engine, hardware=hw)
+                             colocated=mix.colocated, conditional=mix.conditional, steps=steps,
+                             local_steps=local, transfer=transfer, engine=engine, hardware=hw, router=router)
             res = sim.run(max_time_s=args.max_duration + 10 * args.request_timeout)
             records += res.records
             duration += res.duration_s
@@ -215,26 +188,15 @@ def recommend(results: list[dict[str, Any]], target_rate: float, target: float) 
     return min(ok, key=lambda r: (r["cores"], -r["goodput"]["interpolated_rps"], -at_target(r), r["label"]))
 
 
-def helm_values(mix: Mix, note: str, layouts: dict[str, str] | None = None) -> str:
-    """A values fragment for helm/tandem: the mode and the two worker groups' replicas (one
-    worker per pod), and their CPU weight layouts when ``layouts`` (the profile's) says."""
-    prefill_layout = f"  weightLayout: {layouts['prefill']}\n" if layouts else ""
-    decode_layout = f"  weightLayout: {layouts['colocated' if mix.colocated else 'decode']}\n" if layouts else ""
-    return (f"# {note}\n"
-            f"gateway:\n  mode: {'colocated' if mix.colocated else 'disaggregated'}\n"
-            f"prefill:\n  replicas: {0 if mix.colocated else mix.prefill}\n  workersPerPod: 1\n{prefill_layout}"
-            f"decode:\n  replicas: {mix.decode}\n  workersPerPod: 1\n{decode_layout}")
-
-
 def print_table(results: list[dict[str, Any]], target_rate: float, best: dict[str, Any] | None) -> None:
-    print(f"{'mix':>13} {'cores':>5} {'goodput':>9} {'attain@' + f'{target_rate:g}':>10} "
+    print(f"{'mix':>17} {'cores':>5} {'goodput':>9} {'attain@' + f'{target_rate:g}':>10} "
           f"{'TTFT p50/p90 ms':>16} {'TPOT p50/p90 ms':>16}")
     for r in results:
         run = next(x for x in r["runs"] if x["rate"] == target_rate)["summary"]
         g = r["goodput"]
         fmt = serve_bench.fmt_num
         mark = "  <- recommended" if best is r else ""
-        print(f"{r['label']:>13} {r['cores']:>5g} {g['interpolated_rps']:>8.2f}{'' if g['bounded'] else '+'} "
+        print(f"{r['label']:>17} {r['cores']:>5g} {g['interpolated_rps']:>8.2f}{'' if g['bounded'] else '+'} "
               f"{fmt(run['attainment']['both'], '.0%'):>10} "
               f"{fmt(run['ttft_ms']['p50']) + '/' + fmt(run['ttft_ms']['p90']):>16} "
               f"{fmt(run['tpot_ms']['p50'], '.1f') + '/' + fmt(run['tpot_ms']['p90'], '.1f'):>16}{mark}")

@@ -50,7 +50,8 @@ def step_factors(measured: dict[str, tuple[float, float]], simulated: dict[str, 
     its engine steps' CPU (``measured``: role -> CPU s, steps) against the profiled cost of
     the same requests' steps in the simulation (``simulate``'s ``engine``, run with both
     factors 1), the difference in step count at a step's fixed cost. Prefill workers give
-    the prompt factor, decode workers the decode factor; colocated workers, whose steps do
+    the prompt factor, decode workers the decode factor (a conditional one's local prompts
+    included); colocated workers, whose steps do
     both, scale ``default`` (prompt, decode) to their CPU. Factors no role measured are left out."""
     out = {}
     for role, (cpu, n) in measured.items():
@@ -109,9 +110,10 @@ def validate(args: argparse.Namespace, prof: dict[str, Any], mixes: list[Any], p
     measured, loaded, rows = [], [], []
     for mix, pred in zip(mixes, predicted):
         load_before = runinfo.machine()["load_avg_at_start"]
-        server = TandemServer(model, mode="colocated" if mix.colocated else "disaggregated",
+        local = [f"--local-prefill-threshold={args.local_prefill_threshold}"] if mix.conditional else []
+        server = TandemServer(model, mode=mix.mode,
                               prefill_workers=0 if mix.colocated else mix.prefill, decode_workers=mix.decode,
-                              threads_per_worker=threads, extra_args=extra,
+                              threads_per_worker=threads, extra_args=extra + local,
                               log_path=out_dir / f"measured-{mix.label}-server.log",
                               startup_timeout_s=args.startup_timeout)
         print(f"measuring {mix.label}: {' '.join(server.argv[3:])}", flush=True)

@@ -164,14 +164,16 @@ def test_plan_validate_measures_a_started_server_and_its_cpu(tiny_model_dir, tmp
     path.write_text(json.dumps(prof))
     out = tmp_path / "plan"
     proc = subprocess.run([sys.executable, "-m", "services.cluster.cli", "plan", "--profile", str(path),
-                           "--mixes", "colocatedx1,1P+1D", "--input-len", "16", "--output-len", "8",
+                           "--mixes", "colocatedx1,1P+1D-conditional", "--input-len", "uniform:8-24",
+                           "--local-prefill-threshold", "16", "--output-len", "8",
                            "--num-prompts", "6", "--rates", "4", "--slo-ttft-ms", "3000", "--slo-tpot-ms", "500",
                            "--repeats", "2", "--validate", "--no-plots", "--out-dir", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode in (0, 1), proc.stdout + proc.stderr
     row, disagg = json.loads((out / "plan.json").read_text())["validation"]["rows"]
     assert row["mix"] == "colocated×1" and row["measured_rps"] > 0, row
-    assert disagg["mix"] == "1P+1D" and disagg["measured_rps"] > 0, disagg
+    # conditional: prompts under 16 tokens prefill on the decode worker, the rest on the prefill worker
+    assert disagg["mix"] == "1P+1D-conditional" and disagg["measured_rps"] > 0, disagg
     # the served step factors, from each worker role's engine-step CPU and steps: a
     # colocated worker's scale both, a prefill and a decode worker give one each
     cpu, steps = row["engine_cpu_s_and_steps"]["both"]
@@ -190,6 +192,8 @@ def test_plan_validate_measures_a_started_server_and_its_cpu(tiny_model_dir, tmp
     served = [line for line in proc.stdout.splitlines() if line.startswith("measuring ")]
     assert len(served) == 2 and all("--cpu-weight-layout=plain --prefill-weight-layout=plain "
                                     "--decode-weight-layout=blocked" in line for line in served), served
+    assert "--mode colocated" in served[0]
+    assert "--mode conditional" in served[1] and "--local-prefill-threshold=16" in served[1]
     # both simulated sequences were measured, pooled per rate as the simulation pools them
     measured = json.loads((out / "measured-colocated×1-results.json").read_text())
     (run,) = measured["runs"]

@@ -9,7 +9,8 @@ import yaml
 
 from services.bench import profile as profile_mod
 from services.bench.perf_model import DecodeModel, PrefillModel, StepModel, TransferModel, attention_pairs
-from services.bench.plan import Mix, all_mixes, helm_values, recommend
+from services.bench.mix import Mix, all_mixes, helm_values
+from services.bench.plan import recommend
 from services.bench.plan_validate import error
 from services.cluster.cli import main as cli
 
@@ -52,12 +53,19 @@ def test_transfer_fit_is_latency_plus_bandwidth():
 def test_mixes_parse_and_enumerate():
     assert Mix.parse("2P+1D") == Mix(2, 1)
     assert Mix.parse("colocatedx3") == Mix.parse("colocated×3") == Mix(0, 3, True)
-    assert Mix(2, 1).label == "2P+1D" and Mix(2, 1).workers == 3
-    for bad in ("0P+1D", "2P", "colocated0", "3"):
+    assert Mix(2, 1).label == "2P+1D" and Mix(2, 1).workers == 3 and Mix(2, 1).mode == "disaggregated"
+    cond = Mix.parse("2P+1D-conditional")
+    assert cond == Mix(2, 1, conditional=True) and cond.label == "2P+1D-conditional" and cond.workers == 3
+    assert cond.mode == "conditional" and Mix(0, 3, True).mode == "colocated"
+    for bad in ("0P+1D", "2P", "colocated0", "3", "0P+1D-conditional", "colocatedx2-conditional", "2P+1Dc"):
         with pytest.raises(ValueError, match="xP\\+yD"):
             Mix.parse(bad)
+    with pytest.raises(ValueError, match="not both"):
+        Mix(0, 2, colocated=True, conditional=True)
     mixes = all_mixes(3)
-    assert [m.label for m in mixes] == ["colocated×1", "1P+1D", "colocated×2", "2P+1D", "1P+2D", "colocated×3"]
+    assert [m.label for m in mixes] == ["colocated×1", "1P+1D", "1P+1D-conditional", "colocated×2", "2P+1D",
+                                        "2P+1D-conditional", "1P+2D", "1P+2D-conditional", "colocated×3"]
+    assert all(Mix.parse(m.label) == m for m in mixes)
 
 
 def _result(label: str, cores: int, attainment_at: dict[float, float], good: float) -> dict:
@@ -83,6 +91,8 @@ def test_helm_values_set_the_worker_groups():
                       "decode": {"replicas": 1, "workersPerPod": 1}}
     colo = yaml.safe_load(helm_values(Mix(0, 3, True), "note"))
     assert colo["gateway"]["mode"] == "colocated"
+    cond = yaml.safe_load(helm_values(Mix(2, 1, conditional=True), "note"))
+    assert cond == {**disagg, "gateway": {"mode": "conditional"}}
     assert (colo["prefill"]["replicas"], colo["decode"]["replicas"]) == (0, 3)
 
 
@@ -129,17 +139,18 @@ def test_tandem_plan_prints_the_table_and_writes_helm_values(tmp_path, capsys):
     prof = _profile(tmp_path / "profile.json")
     values = tmp_path / "values.yaml"
     code = cli(["plan", "--profile", prof, "--preset", "interference", "--num-prompts", "20", "--rates", "1,2",
-                "--repeats", "1", "--mixes", "1P+1D,colocatedx2", "--helm-values", str(values), "--no-plots",
-                "--out-dir", str(tmp_path / "out")])
+                "--repeats", "1", "--mixes", "1P+1D,1P+1D-conditional,colocatedx2", "--helm-values", str(values),
+                "--no-plots", "--out-dir", str(tmp_path / "out")])
     out = capsys.readouterr().out
     assert code == 0, out
-    assert "1P+1D" in out and "colocated×2" in out and "recommended:" in out
+    assert "1P+1D" in out and "1P+1D-conditional" in out and "colocated×2" in out and "recommended:" in out
     plan = json.loads((tmp_path / "out" / "plan.json").read_text())
-    assert plan["recommended"] in ("1P+1D", "colocated×2")
-    assert [r["label"] for r in plan["results"]] == ["1P+1D", "colocated×2"]
+    assert plan["recommended"] in ("1P+1D", "1P+1D-conditional", "colocated×2")
+    assert [r["label"] for r in plan["results"]] == ["1P+1D", "1P+1D-conditional", "colocated×2"]
     assert all(len(r["runs"]) == 2 for r in plan["results"])
     chosen = Mix.parse(plan["recommended"].replace("×", "x"))
-    assert yaml.safe_load(values.read_text())["decode"]["replicas"] == chosen.decode
+    written = yaml.safe_load(values.read_text())
+    assert written["decode"]["replicas"] == chosen.decode and written["gateway"]["mode"] == chosen.mode
 
 
 def test_tandem_plan_takes_the_request_path_measured_on_this_host(tmp_path, capsys):

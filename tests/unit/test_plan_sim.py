@@ -18,12 +18,17 @@ def steps(prefill_s: float = 0.1, per_token: float = 0.0, decode_base: float = 0
     return StepModel(PrefillModel(prefill_s, per_token, 0.0), DecodeModel(decode_base, per_seq, per_ctx))
 
 
-def simulate(requests, *, prefill=1, decode=1, colocated=False, model=None, cores=8.0, budget=2048,
-             transfer=TransferModel(0.005, 1e-6), threads=1, prefill_nice=0, step_s_per_token=0.0, **hw):
-    sim = Simulation(requests, prefill=prefill, decode=decode, colocated=colocated, steps=model or steps(),
-                     transfer=transfer, engine=Engine(budget, 256, 16, 100_000, KV_BYTES),
-                     hardware=Hardware(cores, threads, prefill_nice, step_s_per_token=step_s_per_token, **hw))
-    return sim.run().records
+def simulation(requests, *, prefill=1, decode=1, colocated=False, model=None, cores=8.0, budget=2048,
+               transfer=TransferModel(0.005, 1e-6), threads=1, prefill_nice=0, step_s_per_token=0.0,
+               conditional=False, local_model=None, **hw) -> Simulation:
+    return Simulation(requests, prefill=prefill, decode=decode, colocated=colocated, steps=model or steps(),
+                      transfer=transfer, engine=Engine(budget, 256, 16, 100_000, KV_BYTES),
+                      hardware=Hardware(cores, threads, prefill_nice, step_s_per_token=step_s_per_token, **hw),
+                      conditional=conditional, local_steps=local_model)
+
+
+def simulate(requests, **kw):
+    return simulation(requests, **kw).run().records
 
 
 def req(t: float, prompt_len: int, out: int, i: int = 0) -> SimRequest:
@@ -212,10 +217,32 @@ def test_router_spreads_prompts_over_prefill_workers():
     assert sorted(r["ttft_s"] for r in one) == pytest.approx([0.1, 0.2])
 
 
+def test_conditional_prefills_short_prompts_on_the_decode_worker():
+    # A 1,024-token prompt occupies the one prefill worker for 1.074 s; a 16-token prompt
+    # sent at 0.1 s waits behind it when disaggregated, and under the router's threshold it
+    # prefills at once on the idle decode worker when conditional, at that worker's own cost
+    pool = steps(prefill_s=0.05, per_token=0.001)
+    local = steps(prefill_s=0.03)
+    reqs = [req(0.0, 1024, 2, 0), req(0.1, 16, 2, 1)]
+    long_d, short_d = simulate(reqs, model=pool, local_model=local)
+    sim = simulation(reqs, model=pool, conditional=True, local_model=local)
+    res = sim.run()
+    long_c, short_c = res.records
+    assert long_c["ttft_s"] == long_d["ttft_s"] == pytest.approx(1.074)
+    assert short_d["ttft_s"] == pytest.approx(1.074 + 0.066 - 0.1)  # after the long one, at the pool's cost
+    assert short_c["ttft_s"] == pytest.approx(0.03)
+    assert res.engine["prefill"][0] == 1  # the prefill worker saw the long prompt only
+    assert res.engine["decode"][1] == pytest.approx(0.03)  # the short one's prompt part, on the decode worker
+    assert sim.router.config.mode == "conditional"
+
+
 def test_a_mix_needs_its_workers():
     with pytest.raises(ValueError, match="prefill worker"):
         Simulation([], prefill=0, decode=1, colocated=False, steps=steps(), transfer=TransferModel(0, 1),
                    engine=Engine(), hardware=Hardware(2))
     with pytest.raises(ValueError, match="transfer"):
         Simulation([], prefill=1, decode=1, colocated=False, steps=steps(), transfer=None,
+                   engine=Engine(), hardware=Hardware(2))
+    with pytest.raises(ValueError, match="not both"):
+        Simulation([], prefill=0, decode=2, colocated=True, conditional=True, steps=steps(), transfer=None,
                    engine=Engine(), hardware=Hardware(2))

@@ -10,7 +10,8 @@ import yaml
 
 from services.bench import profile as profile_mod
 from services.bench.perf_model import attention_pairs
-from services.bench.plan import Mix, helm_values, models
+from services.bench.mix import Mix, helm_values
+from services.bench.plan import models
 from services.bench.plan_validate import server_layout_args
 from services.cluster.cli import build_parser, main as cli
 from services.cluster.serve import build_config

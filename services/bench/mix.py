@@ -1,0 +1,72 @@
+"""The pool layouts `tandem plan` weighs: a mix of prefill and decode workers, and its
+mode (``disaggregated``, ``conditional`` or ``colocated``), as `tandem serve` runs it."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from services.router.config import COLOCATED, CONDITIONAL, DISAGGREGATED
+
+_MIX = re.compile(r"^(?:(\d+)P\+(\d+)D(-conditional)?|colocated[x×*](\d+))$", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Mix:
+    """A pool layout: ``prefill`` + ``decode`` workers, or ``decode`` colocated workers.
+    ``conditional``: disaggregated, but short prompts prefill on the decode worker."""
+
+    prefill: int
+    decode: int
+    colocated: bool = False
+    conditional: bool = False
+
+    def __post_init__(self) -> None:
+        if self.colocated and self.conditional:
+            raise ValueError("a mix is colocated or conditional, not both")
+
+    @property
+    def workers(self) -> int:
+        return self.decode + (0 if self.colocated else self.prefill)
+
+    @property
+    def mode(self) -> str:
+        """The `tandem serve --mode` that runs it."""
+        return COLOCATED if self.colocated else CONDITIONAL if self.conditional else DISAGGREGATED
+
+    @property
+    def label(self) -> str:
+        if self.colocated:
+            return f"colocated×{self.decode}"
+        return f"{self.prefill}P+{self.decode}D" + ("-conditional" if self.conditional else "")
+
+    @classmethod
+    def parse(cls, text: str) -> Mix:
+        """``2P+1D`` | ``2P+1D-conditional`` | ``colocated×3`` (or ``colocatedx3``); ValueError otherwise."""
+        m = _MIX.match(text.strip())
+        counts = (m.group(1), m.group(2), m.group(4)) if m else ()
+        if not m or any(g is not None and int(g) < 1 for g in counts):
+            raise ValueError(f"a mix is xP+yD, xP+yD-conditional or colocatedxN with x, y, N >= 1, got {text!r}")
+        if m.group(4):
+            return cls(0, int(m.group(4)), True)
+        return cls(int(m.group(1)), int(m.group(2)), conditional=m.group(3) is not None)
+
+
+def all_mixes(max_workers: int) -> list[Mix]:
+    """Every colocated, disaggregated and conditional mix of at most ``max_workers`` workers,
+    smallest first."""
+    out = [Mix(0, n, True) for n in range(1, max_workers + 1)]
+    out += [Mix(p, d, conditional=c) for total in range(2, max_workers + 1) for p in range(1, total)
+            for d in [total - p] for c in (False, True)]
+    return sorted(out, key=lambda m: (m.workers, m.colocated, -m.prefill, m.conditional))
+
+
+def helm_values(mix: Mix, note: str, layouts: dict[str, str] | None = None) -> str:
+    """A values fragment for helm/tandem: the mode and the two worker groups' replicas (one
+    worker per pod), and their CPU weight layouts when ``layouts`` (the profile's) says."""
+    prefill_layout = f"  weightLayout: {layouts['prefill']}\n" if layouts else ""
+    decode_layout = f"  weightLayout: {layouts['colocated' if mix.colocated else 'decode']}\n" if layouts else ""
+    return (f"# {note}\n"
+            f"gateway:\n  mode: {mix.mode}\n"
+            f"prefill:\n  replicas: {0 if mix.colocated else mix.prefill}\n  workersPerPod: 1\n{prefill_layout}"
+            f"decode:\n  replicas: {mix.decode}\n  workersPerPod: 1\n{decode_layout}")
