@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from services.common.config import LOCAL_PREFILL_THRESHOLD
 from services.router.config import COLOCATED, CONDITIONAL, DISAGGREGATED
 
 _MIX = re.compile(r"^(?:(\d+)P\+(\d+)D(-conditional)?|colocated[x×*](\d+))$", re.IGNORECASE)
@@ -61,12 +62,16 @@ def all_mixes(max_workers: int) -> list[Mix]:
     return sorted(out, key=lambda m: (m.workers, m.colocated, -m.prefill, m.conditional))
 
 
-def helm_values(mix: Mix, note: str, layouts: dict[str, str] | None = None) -> str:
+def helm_values(mix: Mix, note: str, layouts: dict[str, str] | None = None,
+                local_prefill_threshold: int = LOCAL_PREFILL_THRESHOLD) -> str:
     """A values fragment for helm/tandem: the mode and the two worker groups' replicas (one
-    worker per pod), and their CPU weight layouts when ``layouts`` (the profile's) says."""
+    worker per pod), their CPU weight layouts when ``layouts`` (the profile's) says, and a
+    conditional mix's threshold where it is not `tandem serve`'s default."""
     prefill_layout = f"  weightLayout: {layouts['prefill']}\n" if layouts else ""
     decode_layout = f"  weightLayout: {layouts['colocated' if mix.colocated else 'decode']}\n" if layouts else ""
+    threshold = (f'  extraArgs: ["--local-prefill-threshold", "{local_prefill_threshold}"]\n'
+                 if mix.conditional and local_prefill_threshold != LOCAL_PREFILL_THRESHOLD else "")
     return (f"# {note}\n"
-            f"gateway:\n  mode: {mix.mode}\n"
+            f"gateway:\n  mode: {mix.mode}\n{threshold}"
             f"prefill:\n  replicas: {0 if mix.colocated else mix.prefill}\n  workersPerPod: 1\n{prefill_layout}"
             f"decode:\n  replicas: {mix.decode}\n  workersPerPod: 1\n{decode_layout}")

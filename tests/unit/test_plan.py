@@ -93,6 +93,9 @@ def test_helm_values_set_the_worker_groups():
     assert colo["gateway"]["mode"] == "colocated"
     cond = yaml.safe_load(helm_values(Mix(2, 1, conditional=True), "note"))
     assert cond == {**disagg, "gateway": {"mode": "conditional"}}
+    assert yaml.safe_load(helm_values(Mix(2, 1), "note", local_prefill_threshold=200)) == disagg
+    lower = yaml.safe_load(helm_values(Mix(2, 1, conditional=True), "note", local_prefill_threshold=200))
+    assert lower["gateway"] == {"mode": "conditional", "extraArgs": ["--local-prefill-threshold", "200"]}
     assert (colo["prefill"]["replicas"], colo["decode"]["replicas"]) == (0, 3)
 
 
