@@ -34,6 +34,8 @@ from services.common.config import LOCAL_PREFILL_THRESHOLD
 from services.router.config import RouterConfig
 
 SCHEMA = "tandem.plan/v1"
+
+
 def quiet_factor(prof: dict[str, Any]) -> float:
     """How much faster the profiled steps run on a quiet machine: the share of the cores the
     profiled worker's threads got next to the cores other processes used meanwhile."""
