@@ -150,17 +150,17 @@ def simulate(mix: Mix, args: argparse.Namespace, rates: list[float], slo: SLO, p
     """One mix over the sweep: a results dict shaped like ``tandem bench serve``'s (no per-request list)."""
     quiet = not args.keep_profile_load
     steps, transfer, engine = models(prof, quiet, mix.colocated)
-    # a conditional decode worker prefills short prompts on its own layout, as a colocated one does
-    local = models(prof, quiet, colocated=True)[0] if mix.conditional else None
+    # a conditional decode worker's prompts: the profile's prompt steps on the colocated
+    # workers' layout, which is the decode pool's unless --decode-weight-layout set another
+    local = models(prof, quiet, colocated=True)[0].prefill if mix.conditional else None
     router = RouterConfig(local_prefill_threshold=args.local_prefill_threshold)
     runs = []
     work: dict[str, dict[str, float]] = {}  # per worker role, over every run: engine steps, their cost
     for k, rate in enumerate(rates):
         records, duration = [], 0.0
         for rep in range(args.repeats):
-            sim = Simulation(_requests(args, k, rate, args.seed + rep), prefill=mix.prefill, decode=mix.decode,
-                             colocated=mix.colocated, conditional=mix.conditional, steps=steps,
-                             local_steps=local, transfer=transfer, engine=engine, hardware=hw, router=router)
+            sim = Simulation(_requests(args, k, rate, args.seed + rep), mix=mix, steps=steps, transfer=transfer,
+                             engine=engine, hardware=hw, router=router, local_prefill=local)
             res = sim.run(max_time_s=args.max_duration + 10 * args.request_timeout)
             records += res.records
             duration += res.duration_s

@@ -20,7 +20,7 @@ What it models, and from where:
   worker after the profiled transfer time of its bytes, which then decodes tokens 2..n;
   conditional: the same, but the prompts the router keeps local (shorter than its
   threshold, or every prefill worker saturated) prefill on the decode worker, chunked
-  into its steps at the cost of ``local_steps`` (its own weight layout's prompts);
+  into its steps at the cost of ``local_prefill`` (prompts on its weight layout);
   colocated: one worker does all of it;
 - CPU contention: every busy worker wants ``threads`` cores, a frontend (gateway, load
   generator) wants one core while it has tokens to pass on, a background wants
@@ -55,9 +55,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.bench.cpu_share import CorePlacement, Hardware, Job, nice_weight, share_cores
-from services.bench.perf_model import StepModel, TransferModel
+from services.bench.mix import Mix
+from services.bench.perf_model import PrefillModel, StepModel, TransferModel
 from services.bench.sim_worker import Engine, SimRequest, SimSeq, SimWorker
-from services.router.config import COLOCATED, CONDITIONAL, DISAGGREGATED, RouterConfig
+from services.router.config import RouterConfig
 from services.router.errors import ClusterFullError, PromptTooLargeError
 from services.router.router import Router
 from services.router.worker import BOTH, DECODE, PREFILL, blocks_for
@@ -76,36 +77,32 @@ class SimResult:
 
 
 class Simulation:
-    """``prefill`` prefill and ``decode`` decode workers (``colocated``: ``decode`` workers
-    doing both; ``conditional``: decode workers prefilling the prompts the router keeps
-    local, at ``local_steps``' cost, ``steps``' when None) serving ``requests``; ``run()``
-    returns one record per request."""
+    """The workers of ``mix`` serving ``requests``; ``run()`` returns one record per request.
+    A conditional mix's decode workers prefill the prompts the router keeps local at
+    ``local_prefill``'s cost (the profiled prompt steps on their layout; ``steps``' when None)."""
 
-    def __init__(self, requests: Sequence[SimRequest], *, prefill: int, decode: int, colocated: bool,
-                 steps: StepModel, transfer: TransferModel | None, engine: Engine, hardware: Hardware,
-                 router: RouterConfig | None = None, conditional: bool = False,
-                 local_steps: StepModel | None = None) -> None:
-        if decode < 1 or (not colocated and prefill < 1):
+    def __init__(self, requests: Sequence[SimRequest], *, mix: Mix, steps: StepModel,
+                 transfer: TransferModel | None, engine: Engine, hardware: Hardware,
+                 router: RouterConfig | None = None, local_prefill: PrefillModel | None = None) -> None:
+        if mix.decode < 1 or (not mix.colocated and mix.prefill < 1):
             raise ValueError("a mix needs at least one decode worker, and one prefill worker when disaggregated")
-        if colocated and conditional:
-            raise ValueError("a mix is colocated or conditional, not both")
-        if not colocated and transfer is None:
+        if not mix.colocated and transfer is None:
             raise ValueError("a disaggregated mix needs the profile's KV transfer model")
         self.requests = list(requests)
         steps = steps.served(hardware.prefill_step_factor, hardware.decode_step_factor)
-        local = local_steps.served(hardware.prefill_step_factor, hardware.decode_step_factor) \
-            if conditional and local_steps is not None else steps
+        decode_steps = steps
+        if mix.conditional and local_prefill is not None:
+            decode_steps = dataclasses.replace(steps, prefill=local_prefill.scaled(hardware.prefill_step_factor))
         self.steps, self.transfer, self.engine, self.hw = steps, transfer, engine, hardware
         cfg = router or RouterConfig()
-        mode = COLOCATED if colocated else CONDITIONAL if conditional else DISAGGREGATED
-        self.router = Router(dataclasses.replace(cfg, mode=mode, block_size=engine.block_size))
+        self.router = Router(dataclasses.replace(cfg, mode=mix.mode, block_size=engine.block_size))
         self.workers: dict[str, SimWorker] = {}
         pw = nice_weight(hardware.prefill_nice)
-        for i in range(0 if colocated else prefill):
+        for i in range(0 if mix.colocated else mix.prefill):
             self._add(SimWorker(f"prefill-{i}", PREFILL, engine, steps, Job(0, pw), hardware.step_s_per_token))
-        for i in range(decode):
-            self._add(SimWorker(f"decode-{i}", BOTH if colocated else DECODE, engine, local, Job(0, 1.0),
-                                hardware.step_s_per_token))
+        for i in range(mix.decode):
+            self._add(SimWorker(f"decode-{i}", BOTH if mix.colocated else DECODE, engine, decode_steps,
+                                Job(0, 1.0), hardware.step_s_per_token))
         self.frontend = Job(0, 1.0)
         # tokens on their way to the client, one item per worker step: [CPU seconds left, seqs]
         self.deliveries: deque[list] = deque()

@@ -7,6 +7,7 @@ import pytest
 
 from services.bench.perf_model import DecodeModel, PrefillModel, StepModel, TransferModel
 from services.bench.cpu_share import CorePlacement, Hardware, Job, nice_weight, share_cores
+from services.bench.mix import Mix
 from services.bench.plan_sim import Simulation
 from services.bench.sim_worker import Engine, SimRequest
 
@@ -20,11 +21,11 @@ def steps(prefill_s: float = 0.1, per_token: float = 0.0, decode_base: float = 0
 
 def simulation(requests, *, prefill=1, decode=1, colocated=False, model=None, cores=8.0, budget=2048,
                transfer=TransferModel(0.005, 1e-6), threads=1, prefill_nice=0, step_s_per_token=0.0,
-               conditional=False, local_model=None, **hw) -> Simulation:
-    return Simulation(requests, prefill=prefill, decode=decode, colocated=colocated, steps=model or steps(),
+               conditional=False, local_prefill=None, **hw) -> Simulation:
+    return Simulation(requests, mix=Mix(prefill, decode, colocated, conditional), steps=model or steps(),
                       transfer=transfer, engine=Engine(budget, 256, 16, 100_000, KV_BYTES),
                       hardware=Hardware(cores, threads, prefill_nice, step_s_per_token=step_s_per_token, **hw),
-                      conditional=conditional, local_steps=local_model)
+                      local_prefill=local_prefill)
 
 
 def simulate(requests, **kw):
@@ -74,7 +75,7 @@ def test_served_step_factors_scale_the_prompt_and_the_decode_part():
     # as above, a served prompt step costing 1.5x the profiled one and a decode step 2x;
     # the run accounts each role's steps and their cost
     model = steps(prefill_s=0.3, decode_base=0.01, per_seq=0.002)
-    sim = Simulation([req(0.0, 32, 20, i) for i in range(8)], prefill=0, decode=1, colocated=True, steps=model,
+    sim = Simulation([req(0.0, 32, 20, i) for i in range(8)], mix=Mix(0, 1, colocated=True), steps=model,
                      transfer=None, engine=Engine(2048, 256, 16, 100_000, KV_BYTES),
                      hardware=Hardware(8.0, 1, prefill_step_factor=1.5, decode_step_factor=2.0))
     res = sim.run()
@@ -222,10 +223,10 @@ def test_conditional_prefills_short_prompts_on_the_decode_worker():
     # sent at 0.1 s waits behind it when disaggregated, and under the router's threshold it
     # prefills at once on the idle decode worker when conditional, at that worker's own cost
     pool = steps(prefill_s=0.05, per_token=0.001)
-    local = steps(prefill_s=0.03)
+    local = PrefillModel(0.03, 0.0, 0.0)
     reqs = [req(0.0, 1024, 2, 0), req(0.1, 16, 2, 1)]
-    long_d, short_d = simulate(reqs, model=pool, local_model=local)
-    sim = simulation(reqs, model=pool, conditional=True, local_model=local)
+    long_d, short_d = simulate(reqs, model=pool, local_prefill=local)
+    sim = simulation(reqs, model=pool, conditional=True, local_prefill=local)
     res = sim.run()
     long_c, short_c = res.records
     assert long_c["ttft_s"] == long_d["ttft_s"] == pytest.approx(1.074)
@@ -238,11 +239,11 @@ def test_conditional_prefills_short_prompts_on_the_decode_worker():
 
 def test_a_mix_needs_its_workers():
     with pytest.raises(ValueError, match="prefill worker"):
-        Simulation([], prefill=0, decode=1, colocated=False, steps=steps(), transfer=TransferModel(0, 1),
+        Simulation([], mix=Mix(0, 1), steps=steps(), transfer=TransferModel(0, 1),
                    engine=Engine(), hardware=Hardware(2))
     with pytest.raises(ValueError, match="transfer"):
-        Simulation([], prefill=1, decode=1, colocated=False, steps=steps(), transfer=None,
+        Simulation([], mix=Mix(1, 1), steps=steps(), transfer=None,
                    engine=Engine(), hardware=Hardware(2))
     with pytest.raises(ValueError, match="not both"):
-        Simulation([], prefill=0, decode=2, colocated=True, conditional=True, steps=steps(), transfer=None,
+        Simulation([], mix=Mix(0, 2, colocated=True, conditional=True), steps=steps(), transfer=None,
                    engine=Engine(), hardware=Hardware(2))
