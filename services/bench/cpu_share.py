@@ -91,7 +91,8 @@ class CorePlacement:
     busy threads on two cores run as two sharing one core and one alone, not as three at 2/3
     each: the same mean, but whoever shares gets half a core for as long as both work, which
     is what stretches a decode step's tail. Each core is shared by weight among its threads
-    and an even slice of the background (fluid); a job of several threads (one per core)
+    and the fluid jobs (the background, the request path), which take the cores
+    no placed thread holds first and spread what is left evenly over the others; a job of several threads (one per core)
     runs at its slowest thread's share (its parallel regions end at a barrier).
     """
 
@@ -102,9 +103,11 @@ class CorePlacement:
         self.cores_of: dict[int, list[int]] = {}  # id(job) -> the core of each of its threads
         self.rng = random.Random(seed)
 
-    def share(self, jobs: Sequence[Job], background: Job) -> None:
+    def share(self, jobs: Sequence[Job], *fluid: Job) -> None:
         """Place ``jobs``' threads (``threads`` rounded up, at most one per core), then set every
-        job's ``rate`` and the background's (``threads``: the cores it wants, fluid)."""
+        job's ``rate`` and each ``fluid`` job's (``threads``: the cores it wants, not placed: the
+        background, or the request path's many short-lived threads, which wake wherever a
+        core is free)."""
         n = len(self.threads_on)
         wanted = {id(j): min(n, math.ceil(j.threads - 1e-9)) if j.threads > 0 else 0 for j in jobs}
         for jid, cores in list(self.cores_of.items()):
@@ -124,15 +127,24 @@ class CorePlacement:
                 del self.cores_of[id(j)]
         self._balance()
         by_id = {id(j): j for j in jobs}
+        # fluid work runs on the cores no placed thread holds first (a waking thread takes an
+        # idle core), and what they cannot take spreads evenly over the others
+        busy = [c for c in range(n) if self.threads_on[c]]
+        idle = [Job(f.threads, f.weight) for f in fluid]
+        share_cores(idle, n - len(busy))
+        rest = [f.threads * (1.0 - i.rate) for f, i in zip(fluid, idle)]  # threads' worth left
+        done = [i.rate * f.threads for f, i in zip(fluid, idle)]  # cores' worth got
         shares: dict[int, list[float]] = {}
-        background.rate = 0.0
-        for on_core in self.threads_on:
-            slices = [Job(1.0, by_id[jid].weight) for jid in on_core]
-            bg = Job(background.threads / n, background.weight)
-            share_cores([*slices, bg], 1.0)
-            for jid, s in zip(on_core, slices):
+        for c in busy:
+            slices = [Job(1.0, by_id[jid].weight) for jid in self.threads_on[c]]
+            spread = [Job(r / len(busy), f.weight) for f, r in zip(fluid, rest)]
+            share_cores([*slices, *spread], 1.0)
+            for jid, s in zip(self.threads_on[c], slices):
                 shares.setdefault(jid, []).append(s.rate)
-            background.rate += bg.rate / n
+            for k, part in enumerate(spread):
+                done[k] += part.rate * part.threads
+        for f, cores in zip(fluid, done):
+            f.rate = cores / f.threads if f.threads > 0 else 0.0
         for j in jobs:  # threads beyond the cores run on the same ones: slower by as much
             placed = len(self.cores_of.get(id(j), ()))
             j.rate = min(shares[id(j)]) * placed / j.threads if placed else 0.0

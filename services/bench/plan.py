@@ -83,19 +83,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server-idle-cores", type=float, default=0.08,
                    help="the server's own CPU at rest (load polls, Ray's processes), paid at any rate. 0.08: "
                    "measured by `--validate` on a 2-core x86 host (0.07-0.10 for 2-3 workers)")
-    p.add_argument("--frontend-ms-per-token", type=float, default=1.0,
+    p.add_argument("--frontend-ms-per-token", type=float, default=0.42,
                    help="CPU the request path spends per streamed token outside the engine steps and the idle "
-                   "CPU (ms): the gateway, the load generator, Ray's calls and token feeds, the KV send and "
-                   "receive threads; they share the workers' cores on one host. 1.0: measured by `--validate` "
-                   "on a 2-core x86 host (0.74-0.76 on the interference preset at 4-10 req/s, 1.3-1.9 on chat "
-                   "at 1-4 req/s: a step's bookkeeping is spread over fewer tokens at lower rates); less when "
-                   "the gateway and clients run elsewhere")
-    p.add_argument("--frontend-ms-per-step", type=float, default=0.0,
+                   "CPU (ms), beyond --frontend-ms-per-step: the gateway, the load generator, Ray's calls and "
+                   "token feeds, the KV send and receive threads; they share the workers' cores on one host. "
+                   "0.42 with --frontend-ms-per-step 4.9: `--validate`'s request-path CPU under load fitted "
+                   "over five mixes of the interference and chat presets on a 2-core x86 host (2.3-5.9 tokens "
+                   "per engine step, 1.2-2.6 ms per token in all; each mix within 5% of the fit); less when the "
+                   "gateway and clients run elsewhere")
+    p.add_argument("--frontend-ms-per-step", type=float, default=4.9,
                    help="CPU the request path spends per engine step that streams tokens, whatever their "
                    "number (ms): the step's feed item through the worker's actor threads, Ray's stream and "
-                   "the gateway's dispatch. 0: folded into --frontend-ms-per-token, whose default was "
-                   "measured that way; `tandem bench request-path` measures both at rest, `--validate` under "
-                   "load (fitted over the mixes)")
+                   "the gateway's dispatch, so a token costs more at low rates, where a step carries fewer. "
+                   "4.9: fitted with --frontend-ms-per-token's default; `tandem bench request-path` measures "
+                   "both at rest (less: 1.8 ms per step there), `--validate` under load (fitted over the mixes)")
     p.add_argument("--step-ms-per-token", type=float, default=0.3,
                    help="how much longer a served worker's step is than the profiled one per token it emits "
                    "(ms): the worker hands its outputs to the token feeds and its Ray threads hold the GIL "

@@ -25,13 +25,17 @@ What it models, and from where:
 - CPU contention: every busy worker wants ``threads`` cores, a frontend (gateway, load
   generator) wants one core while it has tokens to pass on, a background wants
   ``background_cores`` plus the server's own CPU at rest (``server_idle_cores``); each
-  busy thread sits on one core as Linux places it (``cpu_share.CorePlacement``: three
-  threads on two cores run as two sharing one and one alone) or, with ``whole_cores``
-  off, all share all the cores (processor sharing); a core is shared by weight (Linux CFS:
-  nice ``n`` weighs ``1.25**-n``), re-divided at each event;
+  busy worker thread sits on one core as Linux places it (``cpu_share.CorePlacement``:
+  three threads on two cores run as two sharing one and one alone), while the frontend and
+  the background, many short-lived threads, run on the cores no worker holds first and
+  spread what they cannot get there over the others; with
+  ``whole_cores`` off, all share all the cores (processor sharing); a core is shared by
+  weight (Linux CFS: nice ``n`` weighs ``1.25**-n``), re-divided at each event;
 - the request path: the frontend passes each step's tokens on in order, at its CPU cost
-  per step and per token and its share of a core (a token reaches the client when it is
-  through), and every request reaches its worker ``request_latency_s`` after it was sent
+  per feed item and per token and its share of the cores (a token reaches the client when
+  it is through); a worker's steps that wait behind the item in progress join into one
+  feed item, as its token feed batches them; every request reaches its worker
+  ``request_latency_s`` after it was sent
   (the path's latency at rest: HTTP, routing, Ray's calls). Its CPU stands for the whole
   path outside the engine steps (gateway, load generator, Ray's calls and streams, KV
   send/receive threads).
@@ -104,7 +108,8 @@ class Simulation:
             self._add(SimWorker(f"decode-{i}", BOTH if mix.colocated else DECODE, engine, decode_steps,
                                 Job(0, 1.0), hardware.step_s_per_token))
         self.frontend = Job(0, 1.0)
-        # tokens on their way to the client, one item per worker step: [CPU seconds left, seqs]
+        # tokens on their way to the client, one feed item per worker step, or per run of
+        # its steps while the path is behind: [CPU seconds left, seqs, worker id]
         self.deliveries: deque[list] = deque()
         self.background = Job(hardware.background_cores + hardware.server_idle_cores, 1.0, math.inf)
         whole = hardware.whole_cores and float(hardware.cores).is_integer()
@@ -154,15 +159,26 @@ class Simulation:
         seq.prefill_left, seq.tokens = 0, len(seq.req.prompt)
         dec.running.append(seq)
 
-    def _send(self, seqs: list[SimSeq]) -> None:
-        """One step's tokens enter the request path (FIFO, at the frontend's CPU share)."""
+    def _send(self, w: SimWorker, seqs: list[SimSeq]) -> None:
+        """One step's tokens enter the request path (FIFO, at the frontend's CPU share). A
+        worker's token feed takes every output pending since its last item as one item
+        (``services.decode.feed``): while an item of the same worker still waits behind
+        the one in progress, the step's tokens join it, at their per-token cost only."""
         if not seqs:
             return
-        work = self.hw.frontend_s_per_step + self.hw.outside_workers_s_per_token * len(seqs)
+        per_token = self.hw.outside_workers_s_per_token * len(seqs)
+        for item in reversed(self.deliveries):
+            if item is self.deliveries[0]:
+                break  # in progress: the path already took it
+            if item[2] == w.worker_id:
+                item[0] += per_token
+                item[1].extend(seqs)
+                return
+        work = self.hw.frontend_s_per_step + per_token
         if work <= EPS and not self.deliveries:
             self._deliver(seqs)
             return
-        self.deliveries.append([work, seqs])
+        self.deliveries.append([work, list(seqs), w.worker_id])
 
     def _deliver(self, seqs: list[SimSeq]) -> None:
         for s in seqs:
@@ -202,7 +218,7 @@ class Simulation:
             elif s.out_left == 0:
                 w.running.remove(s)
                 self._done(s)
-        self._send(out)
+        self._send(w, out)
 
     @staticmethod
     def _emit(s: SimSeq, out: list[SimSeq]) -> None:
@@ -244,7 +260,7 @@ class Simulation:
                         w.job.threads = self.hw.threads
             self.frontend.threads = 1.0 if self.deliveries else 0.0
             if self.placement is not None:
-                self.placement.share([*jobs, self.frontend], self.background)
+                self.placement.share(jobs, self.background, self.frontend)
             else:
                 share_cores(all_jobs, self.hw.cores)
             busy = [w for w in self.workers.values() if w.step is not None]

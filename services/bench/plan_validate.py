@@ -251,9 +251,10 @@ def print_validation(v: dict[str, Any]) -> None:
     print(runinfo.machine_line())
     print("goodput (req/s; + = every rate met the SLO) predicted: on a quiet machine; with the step times as "
           "profiled (the load then); under the background measured during the run (cores other processes "
-          "used, bg, plus the server's own CPU at rest, idle) with the request path's CPU per token measured "
-          "then (path ms: everything outside the engine steps and the idle CPU, of which the gateway and "
-          "client: fe ms) and the served engine steps' CPU against the profiled steps' (steps P/D: the "
+          "used, bg, plus the server's own CPU at rest, idle) with the request path's CPU measured then (path "
+          "ms: per token, everything outside the engine steps and the idle CPU beyond the plan's "
+          "--frontend-ms-per-step per engine step; fe ms: the gateway's and the client's, all of it, per "
+          "token) and the served engine steps' CPU against the profiled steps' (steps P/D: the "
           "prompt and the decode factor, colocated workers' CPU splitting them as the defaults do); and "
           "measured, with the errors of the last two predictions")
     print(f"{'mix':>13} {'quiet':>7} {'profiled':>8} {'error':>6} {'bg cores':>8} {'idle':>5} {'fe ms':>5} {'path ms':>7} "

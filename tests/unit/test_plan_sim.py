@@ -172,6 +172,32 @@ def test_core_placement_shares_a_core_then_rebalances():
     assert two_threads.rate == pytest.approx(0.5)
 
 
+def test_the_request_path_takes_a_free_core_first_then_shares_the_busy_ones():
+    cpu = CorePlacement(2)
+    worker, path, bg = Job(1, 1.0), Job(1, 1.0), Job(0, 1.0)
+    cpu.share([worker], bg, path)  # one core free: the path runs there, the worker keeps its own
+    assert (worker.rate, path.rate) == pytest.approx((1.0, 1.0))
+    other = Job(1, 1.0)
+    cpu.share([worker, other], bg, path)  # both cores held: half a thread's worth on each
+    assert (worker.rate, other.rate) == pytest.approx((2 / 3, 2 / 3))
+    assert path.rate == pytest.approx(2 / 3)  # a third of each core
+    bg.threads = 1.0
+    cpu.share([worker], bg, path)  # half of the free core each; their other halves share the worker's
+    assert (worker.rate, path.rate, bg.rate) == pytest.approx((0.5, 0.75, 0.75))
+
+
+def test_a_workers_steps_waiting_for_the_request_path_join_one_feed_item():
+    # 50 ms of path CPU per feed item against 10 ms steps: the first token's item runs 0.30
+    # to 0.35 s; steps 2-5 end meanwhile and wait as one item (the feed batches what is
+    # pending), delivered at 0.40 s, not one item each (0.55 s)
+    model = steps(prefill_s=0.3, decode_base=0.01)
+    recs = simulate([req(0.0, 32, 5)], decode=1, colocated=True, model=model, frontend_s_per_token=0.0,
+                    frontend_s_per_step=0.05)
+    assert recs[0]["ttft_s"] == pytest.approx(0.35)
+    assert recs[0]["e2e_s"] == pytest.approx(0.40)
+    assert recs[0]["output_tokens"] == 5
+
+
 def test_tokens_reach_the_client_through_the_request_path():
     # 8 first tokens of one prefill step pass the frontend in one item (8 x 1 ms of its CPU),
     # every request 5 ms later than sent; later steps' tokens queue behind earlier ones
