@@ -119,9 +119,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "at 32 prompt tokens, 168 vs 152 ms at 256), less the ~1 ms of the first token's path CPU and "
                    "step cost that the simulation adds itself")
     p.add_argument("--cpu-sharing", choices=("placed", "fluid"), default="placed",
-                   help="placed: each busy thread on one core, as Linux places them (three threads on two "
-                   "cores: two share one); fluid: every busy thread an equal share of all the cores (always so "
-                   "for fractional --cores and GPU profiles)")
+                   help="placed: each busy worker thread on one core, as Linux places them (three threads on "
+                   "two cores: two share one), the request path's and the background's CPU on the cores no worker "
+                   "holds first; fluid: every busy thread an equal share of all the cores (always so for "
+                   "fractional --cores and GPU profiles)")
     p.add_argument("--request-path", default=None, metavar="FILE",
                    help="a `tandem bench request-path --json` of this host: its idle cores and CPU per step and "
                    "per token take the place of --server-idle-cores, --frontend-ms-per-step and "
