@@ -59,6 +59,28 @@ def test_paged_decode_matches_gather_and_sdpa(heads, kv_heads, rows, window, d):
     assert out[untouched].isnan().all(), "rows outside the group must not be written"
 
 
+@pytest.mark.parametrize("d,kv_dtype", [(64, torch.float32), (128, torch.bfloat16), (32, torch.float32),
+                                         (40, torch.float32)])
+def test_paged_decode_gives_a_row_the_same_bits_in_any_batch(d, kv_dtype):
+    """Alone, a row's kv heads are split over threads; in a batch of 12 each task takes a
+    whole row: the sums run in the same order either way, so a sequence's tokens do not
+    depend on what it is batched with."""
+    gen = torch.Generator().manual_seed(d)
+    heads, kv_heads, bs, rows = 8, 4, 16, 12
+    k_cache = torch.randn(400, bs, kv_heads, d, generator=gen).to(kv_dtype)
+    v_cache = torch.randn(400, bs, kv_heads, d, generator=gen).to(kv_dtype)
+    positions = torch.randint(0, 300, (rows,), generator=gen)
+    table = torch.randperm(400, generator=gen)[:rows * 19].view(rows, 19)
+    q = torch.randn(rows, heads, d, generator=gen)
+    batched = torch.empty(rows, heads, d)
+    kernels.paged_decode(q, batched, torch.arange(rows), k_cache, v_cache, table, positions, None, 0.125)
+    for r in range(rows):
+        alone = torch.empty(1, heads, d)
+        kernels.paged_decode(q[r:r + 1], alone, torch.zeros(1, dtype=torch.long), k_cache, v_cache,
+                             table[r:r + 1], positions[r:r + 1], None, 0.125)
+        assert torch.equal(alone[0], batched[r]), f"row {r}"
+
+
 def test_paged_decode_rejects_wrong_dtypes_and_layouts():
     q = torch.randn(2, 4, 8)
     cache = torch.randn(4, 4, 2, 8)

@@ -3,153 +3,180 @@
  * pointer -> float) defined. See paged_decode.c. */
 #define TANDEM_CAT2(a, b) a##b
 #define TANDEM_CAT(a, b) TANDEM_CAT2(a, b)
-#define BODY TANDEM_CAT(NAME, _body)
+#define TASK TANDEM_CAT(NAME, _task)
 #define PREFETCH_SPAN TANDEM_CAT(NAME, _prefetch_span)
 #define ENTER_BLOCK TANDEM_CAT(NAME, _enter_block)
 
-/* Touch the lines of ``span`` elements at ``at`` in the next block (the same keys' slice),
- * so a block is in cache when the loop reaches it: blocks lie anywhere in the cache, and
- * the hardware prefetcher stops at each page. Into L2 (prefetcht1), not L1: L1 has too
- * few miss buffers to keep a block's lines in flight (1.3-1.5x faster over 4-64 rows of
- * 256-4,096 keys on an AMD EPYC, the same at one row of up to 1,024). */
+/* Blocks a task prefetches ahead of the one it reads. */
+#ifndef PREFETCH_BLOCKS
+#define PREFETCH_BLOCKS 2
+#endif
+
+/* Touch the lines of ``span`` elements at ``at`` in a block PREFETCH_BLOCKS ahead (the same
+ * keys' slice), so a block is in cache when the loop reaches it: blocks lie anywhere in the
+ * cache, and the hardware prefetcher stops at each page. Into L2 (prefetcht1), not L1: L1
+ * has too few miss buffers to keep a block's lines in flight (1.3-1.5x faster over 4-64 rows
+ * of 256-4,096 keys on an AMD EPYC, the same at one row of up to 1,024). Two blocks ahead,
+ * with a task's first two blocks of K and V touched before it starts, rather than one: a
+ * batch-1 step's attention, its K/V cold after the weights' stream, 40-49 -> 33-35 us a layer
+ * of the bench preset (four blocks ahead were slower again). */
 static inline void PREFETCH_SPAN(const KV_T *next, int64_t at, int64_t span) {
     if (next == NULL) return;
     const char *c = (const char *)(next + at);
     for (int64_t b = 0; b < span * (int64_t)sizeof(KV_T); b += 64) __builtin_prefetch(c + b, 0, 2);
 }
 
-/* At a block's first key: the block (``*base``) and the sequence's next one (``*next``, NULL
- * after its last block ``last_blk``). */
+/* At a block's first key: the block (``*base``) and the sequence's block PREFETCH_BLOCKS on
+ * (``*next``, NULL past its last block ``last_blk``). */
 static inline void ENTER_BLOCK(const KV_T *cache, const int64_t *table, int64_t blk, int64_t last_blk,
                                int64_t block_stride, const KV_T **base, const KV_T **next) {
     *base = cache + table[blk] * block_stride;
-    *next = blk < last_blk ? cache + table[blk + 1] * block_stride : NULL;
+    *next = blk + PREFETCH_BLOCKS <= last_blk ? cache + table[blk + PREFETCH_BLOCKS] * block_stride : NULL;
 }
 
 /* Head sizes whose keys the AVX-512 path holds in registers (16 floats a vector). */
 #define MAX_VECTORS 16
 #define VECTOR_HEAD(D) ((D) % 16 == 0 && (D) <= 16 * MAX_VECTORS)
 
-/* The kernel for one head size: inlined into each call below with ``D`` a constant where
- * it is a common one, so the per-key dot products and value updates compile to whole vectors. */
-static inline __attribute__((always_inline)) int BODY(
+/* One task: row r's query heads of kv heads kh0 .. kh0 + kvh_per_task - 1 against its keys.
+ * Inlined into a parallel region of its own per head size (NAME below), where ``D`` is a
+ * literal: GCC outlines a parallel region before it inlines, so a region in a function
+ * that only receives ``D`` would run every loop over D at run time, its key in memory.
+ * ``scores`` holds hpt * n floats, ``acc`` hpt * D. */
+static inline __attribute__((always_inline)) void TASK(
         const float *q, int64_t q_stride, float *out, const int64_t *rows, const KV_T *k_cache,
         const KV_T *v_cache, const int64_t *block_table, int64_t table_stride,
-        const int64_t *positions, int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,
-        const int64_t D, int64_t block_size, int64_t window, float scale, int64_t head_splits) {
+        const int64_t *positions, int64_t num_heads, int64_t num_kv_heads, const int64_t D,
+        int64_t block_size, int64_t window, float scale, int64_t head_splits, int64_t task,
+        float *scores, float *acc) {
     const int64_t G = num_heads / num_kv_heads, KVH = num_kv_heads;
     const int64_t kvh_per_task = KVH / head_splits, hpt = kvh_per_task * G, span = kvh_per_task * D;
     const int64_t block_stride = block_size * KVH * D;
-    const int64_t tasks = num_rows * head_splits;
-    int failed = 0;
-#pragma omp parallel num_threads(tandem_team(tasks)) reduction(| : failed)
-    {
-        float *scores = NULL, *acc = malloc(sizeof(float) * hpt * D);
-        int64_t cap = 0;
-        if (acc == NULL) failed = 1;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < tasks; ++task) {
-            if (failed) continue;
-            const int64_t r = task / head_splits, kh0 = (task % head_splits) * kvh_per_task;
-            const int64_t pos = positions[r];
-            const int64_t first = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
-            const int64_t n = pos - first + 1, last_blk = pos / block_size;
-            if (hpt * n > cap) {
-                float *grown = realloc(scores, sizeof(float) * hpt * n);
-                if (grown == NULL) { failed = 1; continue; }
-                scores = grown;
-                cap = hpt * n;
-            }
-            const int64_t *table = block_table + r * table_stride;
-            const KV_T *kbase = NULL, *vbase = NULL, *knext = NULL, *vnext = NULL;
-            const float *qr = q + rows[r] * q_stride + kh0 * G * D;
-            /* pass 1: scores[h][j] = q_h . k_j * scale, key rows read in cache order */
-            for (int64_t j = 0, blk = first / block_size, off = first % block_size; j < n; ++j, ++off) {
-                if (off == block_size) { off = 0; ++blk; }
-                if (j == 0 || off == 0) ENTER_BLOCK(k_cache, table, blk, last_blk, block_stride, &kbase, &knext);
-                const int64_t at = (off * KVH + kh0) * D;
-                PREFETCH_SPAN(knext, at, span);
-                for (int64_t kh = 0; kh < kvh_per_task; ++kh) {
-                    const KV_T *kv = kbase + at + kh * D;
-#if defined(__AVX512F__)
-                    if (VECTOR_HEAD(D)) {  /* the key once in registers, a vector sum per head */
-                        __m512 key[MAX_VECTORS];
-                        for (int64_t i = 0; i < D / 16; ++i) key[i] = KV_LOAD16(kv + 16 * i);
-                        for (int64_t g = 0; g < G; ++g) {
-                            const int64_t h = kh * G + g;
-                            const float *qh = qr + h * D;
-                            __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qh), key[0]);
-                            for (int64_t i = 1; i < D / 16; ++i)
-                                s = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * i), key[i], s);
-                            scores[h * n + j] = _mm512_reduce_add_ps(s) * scale;
-                        }
-                        continue;
-                    }
-#endif
-                    for (int64_t g = 0; g < G; ++g) {
-                        const int64_t h = kh * G + g;
-                        const float *qh = qr + h * D;
-                        float s = 0.f;
-#pragma omp simd reduction(+ : s)
-                        for (int64_t d = 0; d < D; ++d) s += qh[d] * KV_LOAD(kv + d);
-                        scores[h * n + j] = s * scale;
-                    }
-                }
-            }
-            for (int64_t h = 0; h < hpt; ++h) {
-                float *sh = scores + h * n, m = -INFINITY, total = 0.f;
-#pragma omp simd reduction(max : m)
-                for (int64_t j = 0; j < n; ++j) m = sh[j] > m ? sh[j] : m;
-#pragma omp simd
-                for (int64_t j = 0; j < n; ++j) sh[j] = tandem_expf(sh[j] - m);
-#pragma omp simd reduction(+ : total)
-                for (int64_t j = 0; j < n; ++j) total += sh[j];
-                const float inv = 1.f / total;
-#pragma omp simd
-                for (int64_t j = 0; j < n; ++j) sh[j] *= inv;
-            }
-            /* pass 2: out_h = sum_j p[h][j] * v_j */
-            memset(acc, 0, sizeof(float) * hpt * D);
-            for (int64_t j = 0, blk = first / block_size, off = first % block_size; j < n; ++j, ++off) {
-                if (off == block_size) { off = 0; ++blk; }
-                if (j == 0 || off == 0) ENTER_BLOCK(v_cache, table, blk, last_blk, block_stride, &vbase, &vnext);
-                const int64_t at = (off * KVH + kh0) * D;
-                PREFETCH_SPAN(vnext, at, span);
-                for (int64_t kh = 0; kh < kvh_per_task; ++kh) {
-                    const KV_T *vv = vbase + at + kh * D;
-                    for (int64_t g = 0; g < G; ++g) {
-                        const int64_t h = kh * G + g;
-                        const float w = scores[h * n + j];
-                        float *ah = acc + h * D;
-#pragma omp simd
-                        for (int64_t d = 0; d < D; ++d) ah[d] += w * KV_LOAD(vv + d);
-                    }
-                }
-            }
-            memcpy(out + (rows[r] * num_heads + kh0 * G) * D, acc, sizeof(float) * hpt * D);
+    const int64_t r = task / head_splits, kh0 = (task % head_splits) * kvh_per_task;
+    const int64_t pos = positions[r];
+    const int64_t first = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
+    const int64_t n = pos - first + 1, last_blk = pos / block_size;
+    const int64_t *table = block_table + r * table_stride;
+    const KV_T *kbase = NULL, *vbase = NULL, *knext = NULL, *vnext = NULL;
+    const float *qr = q + rows[r] * q_stride + kh0 * G * D;
+    float *o = out + (rows[r] * num_heads + kh0 * G) * D;
+    for (int64_t b = first / block_size; b < first / block_size + PREFETCH_BLOCKS && b <= last_blk; ++b)
+        for (int64_t off = 0; off < block_size; ++off) {
+            PREFETCH_SPAN(k_cache + table[b] * block_stride, (off * KVH + kh0) * D, span);
+            PREFETCH_SPAN(v_cache + table[b] * block_stride, (off * KVH + kh0) * D, span);
         }
-        free(scores);
-        free(acc);
+    /* pass 1: scores[h][j] = q_h . k_j * scale, key rows read in cache order */
+    for (int64_t j = 0, blk = first / block_size, off = first % block_size; j < n; ++j, ++off) {
+        if (off == block_size) { off = 0; ++blk; }
+        if (j == 0 || off == 0) ENTER_BLOCK(k_cache, table, blk, last_blk, block_stride, &kbase, &knext);
+        const int64_t at = (off * KVH + kh0) * D;
+        PREFETCH_SPAN(knext, at, span);
+        for (int64_t kh = 0; kh < kvh_per_task; ++kh) {
+            const KV_T *kv = kbase + at + kh * D;
+#if defined(__AVX512F__)
+            if (VECTOR_HEAD(D)) {  /* the key once in registers, a vector sum per head */
+                __m512 key[MAX_VECTORS];
+                for (int64_t i = 0; i < D / 16; ++i) key[i] = KV_LOAD16(kv + 16 * i);
+                for (int64_t g = 0; g < G; ++g) {
+                    const int64_t h = kh * G + g;
+                    const float *qh = qr + h * D;
+                    __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qh), key[0]);
+                    for (int64_t i = 1; i < D / 16; ++i)
+                        s = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * i), key[i], s);
+                    scores[h * n + j] = _mm512_reduce_add_ps(s) * scale;
+                }
+                continue;
+            }
+#endif
+            for (int64_t g = 0; g < G; ++g) {
+                const int64_t h = kh * G + g;
+                const float *qh = qr + h * D;
+                float s = 0.f;
+#pragma omp simd reduction(+ : s)
+                for (int64_t d = 0; d < D; ++d) s += qh[d] * KV_LOAD(kv + d);
+                scores[h * n + j] = s * scale;
+            }
+        }
     }
-    return failed ? -1 : 0;
+    for (int64_t h = 0; h < hpt; ++h) {
+        float *sh = scores + h * n, m = -INFINITY, total = 0.f;
+#pragma omp simd reduction(max : m)
+        for (int64_t j = 0; j < n; ++j) m = sh[j] > m ? sh[j] : m;
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) sh[j] = tandem_expf(sh[j] - m);
+#pragma omp simd reduction(+ : total)
+        for (int64_t j = 0; j < n; ++j) total += sh[j];
+        const float inv = 1.f / total;
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) sh[j] *= inv;
+    }
+    /* pass 2: out_h = sum_j p[h][j] * v_j, keys in cache order; the sums in ``acc`` (L1) */
+    memset(acc, 0, sizeof(float) * hpt * D);
+    for (int64_t j = 0, blk = first / block_size, off = first % block_size; j < n; ++j, ++off) {
+        if (off == block_size) { off = 0; ++blk; }
+        if (j == 0 || off == 0) ENTER_BLOCK(v_cache, table, blk, last_blk, block_stride, &vbase, &vnext);
+        const int64_t at = (off * KVH + kh0) * D;
+        PREFETCH_SPAN(vnext, at, span);
+        for (int64_t kh = 0; kh < kvh_per_task; ++kh) {
+            const KV_T *vv = vbase + at + kh * D;
+            for (int64_t g = 0; g < G; ++g) {
+                const int64_t h = kh * G + g;
+                const float w = scores[h * n + j];
+                float *ah = acc + h * D;
+#pragma omp simd
+                for (int64_t d = 0; d < D; ++d) ah[d] += w * KV_LOAD(vv + d);
+            }
+        }
+    }
+    memcpy(o, acc, sizeof(float) * hpt * D);
 }
+
+/* Every (row, kv-head split) task over a team of threads, ``D_ARG`` the head size (a
+ * literal in the common cases); each thread's scratch grows to its largest task. */
+#define PARALLEL_TASKS(D_ARG)                                                                   \
+    do {                                                                                        \
+        _Pragma("omp parallel num_threads(tandem_team(tasks)) reduction(| : failed)")           \
+        {                                                                                       \
+            float *scores = NULL, *acc = malloc(sizeof(float) * hpt * (D_ARG));                 \
+            int64_t cap = 0;                                                                    \
+            if (acc == NULL) failed = 1;                                                        \
+            _Pragma("omp for schedule(dynamic, 1)")                                             \
+            for (int64_t task = 0; task < tasks; ++task) {                                      \
+                if (failed) continue;                                                           \
+                const int64_t pos = positions[task / head_splits];                              \
+                const int64_t lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0; \
+                if (hpt * (pos - lo + 1) > cap) {                                               \
+                    float *grown = realloc(scores, sizeof(float) * hpt * (pos - lo + 1));       \
+                    if (grown == NULL) { failed = 1; continue; }                                \
+                    scores = grown;                                                             \
+                    cap = hpt * (pos - lo + 1);                                                 \
+                }                                                                               \
+                TASK(q, q_stride, out, rows, k_cache, v_cache, block_table, table_stride,      \
+                     positions, num_heads, num_kv_heads, (D_ARG), block_size, window, scale,    \
+                     head_splits, task, scores, acc);                                           \
+            }                                                                                   \
+            free(scores);                                                                       \
+            free(acc);                                                                          \
+        }                                                                                       \
+    } while (0)
 
 int NAME(const float *q, int64_t q_stride, float *out, const int64_t *rows,
          const KV_T *k_cache, const KV_T *v_cache, const int64_t *block_table,
          int64_t table_stride, const int64_t *positions, int64_t num_rows, int64_t num_heads,
          int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t window,
          float scale, int64_t head_splits) {
-#define TANDEM_PAGED_DECODE_CALL(D)                                                              \
-    BODY(q, q_stride, out, rows, k_cache, v_cache, block_table, table_stride, positions,       \
-         num_rows, num_heads, num_kv_heads, D, block_size, window, scale, head_splits)
+    const int64_t hpt = num_kv_heads / head_splits * (num_heads / num_kv_heads);
+    const int64_t tasks = num_rows * head_splits;
+    int failed = 0;
     switch (head_dim) {
-        case 64: return TANDEM_PAGED_DECODE_CALL(64);
-        case 128: return TANDEM_PAGED_DECODE_CALL(128);
-        default: return TANDEM_PAGED_DECODE_CALL(head_dim);
+        case 64: PARALLEL_TASKS(64); break;
+        case 128: PARALLEL_TASKS(128); break;
+        default: PARALLEL_TASKS(head_dim); break;
     }
-#undef TANDEM_PAGED_DECODE_CALL
+    return failed ? -1 : 0;
 }
-#undef BODY
+#undef PARALLEL_TASKS
+#undef TASK
 #undef PREFETCH_SPAN
 #undef ENTER_BLOCK
 #undef MAX_VECTORS
