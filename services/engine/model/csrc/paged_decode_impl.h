@@ -60,6 +60,7 @@ static inline __attribute__((always_inline)) void TASK(
     const KV_T *kbase = NULL, *vbase = NULL, *knext = NULL, *vnext = NULL;
     const float *qr = q + rows[r] * q_stride + kh0 * G * D;
     float *o = out + (rows[r] * num_heads + kh0 * G) * D;
+    /* the blocks no earlier key prefetches: the task's first PREFETCH_BLOCKS of K and V */
     for (int64_t b = first / block_size; b < first / block_size + PREFETCH_BLOCKS && b <= last_blk; ++b)
         for (int64_t off = 0; off < block_size; ++off) {
             PREFETCH_SPAN(k_cache + table[b] * block_stride, (off * KVH + kh0) * D, span);
