@@ -7,10 +7,7 @@
 #define PREFETCH_SPAN TANDEM_CAT(NAME, _prefetch_span)
 #define ENTER_BLOCK TANDEM_CAT(NAME, _enter_block)
 
-/* Blocks a task prefetches ahead of the one it reads. */
-#ifndef PREFETCH_BLOCKS
-#define PREFETCH_BLOCKS 2
-#endif
+#define PREFETCH_BLOCKS 2 /* blocks a task prefetches ahead of the one it reads */
 
 /* Touch the lines of ``span`` elements at ``at`` in a block PREFETCH_BLOCKS ahead (the same
  * keys' slice), so a block is in cache when the loop reaches it: blocks lie anywhere in the
@@ -177,6 +174,7 @@ int NAME(const float *q, int64_t q_stride, float *out, const int64_t *rows,
     return failed ? -1 : 0;
 }
 #undef PARALLEL_TASKS
+#undef PREFETCH_BLOCKS
 #undef TASK
 #undef PREFETCH_SPAN
 #undef ENTER_BLOCK
