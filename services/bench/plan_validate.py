@@ -257,9 +257,8 @@ def print_validation(v: dict[str, Any]) -> None:
           "token) and the served engine steps' CPU against the profiled steps' (steps P/D: the "
           "prompt and the decode factor, colocated workers' CPU splitting them as the defaults do); and "
           "measured, with the errors of the last two predictions")
-    print(f"{'mix':>13} {'quiet':>7} {'profiled':>8} {'error':>6} {'bg cores':>8} {'idle':>5} {'fe ms':>5} {'path ms':>7} "
-          f"{'steps P/D':>9} {'predicted':>10} "
-          f"{'measured':>10} "
+    print(f"{'mix':>13} {'quiet':>7} {'profiled':>8} {'error':>6} {'bg cores':>8} {'idle':>5} {'fe ms':>5} "
+          f"{'path ms':>7} {'steps P/D':>9} {'predicted':>10} {'measured':>10} "
           f"{'error':>7}   load avg (1 min) before/after")
     pct = lambda e: serve_bench.fmt_num(None if e is None else 100 * e, "+.0f") + "%"  # noqa: E731
     for r in v["rows"]:
