@@ -6,6 +6,7 @@
 #define TASK TANDEM_CAT(NAME, _task)
 #define PREFETCH_SPAN TANDEM_CAT(NAME, _prefetch_span)
 #define ENTER_BLOCK TANDEM_CAT(NAME, _enter_block)
+#define FIRST_KEY TANDEM_CAT(NAME, _first_key)
 
 #define PREFETCH_BLOCKS 2 /* blocks a task prefetches ahead of the one it reads */
 
@@ -31,6 +32,11 @@ static inline void ENTER_BLOCK(const KV_T *cache, const int64_t *table, int64_t 
     *next = blk + PREFETCH_BLOCKS <= last_blk ? cache + table[blk + PREFETCH_BLOCKS] * block_stride : NULL;
 }
 
+/* The first key a query at ``pos`` attends: 0, or the window's start. */
+static inline int64_t FIRST_KEY(int64_t pos, int64_t window) {
+    return (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
+}
+
 /* Head sizes whose keys the AVX-512 path holds in registers (16 floats a vector). */
 #define MAX_VECTORS 16
 #define VECTOR_HEAD(D) ((D) % 16 == 0 && (D) <= 16 * MAX_VECTORS)
@@ -51,7 +57,7 @@ static inline __attribute__((always_inline)) void TASK(
     const int64_t block_stride = block_size * KVH * D;
     const int64_t r = task / head_splits, kh0 = (task % head_splits) * kvh_per_task;
     const int64_t pos = positions[r];
-    const int64_t first = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
+    const int64_t first = FIRST_KEY(pos, window);
     const int64_t n = pos - first + 1, last_blk = pos / block_size;
     const int64_t *table = block_table + r * table_stride;
     const KV_T *kbase = NULL, *vbase = NULL, *knext = NULL, *vnext = NULL;
@@ -142,12 +148,12 @@ static inline __attribute__((always_inline)) void TASK(
             for (int64_t task = 0; task < tasks; ++task) {                                      \
                 if (failed) continue;                                                           \
                 const int64_t pos = positions[task / head_splits];                              \
-                const int64_t lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0; \
-                if (hpt * (pos - lo + 1) > cap) {                                               \
-                    float *grown = realloc(scores, sizeof(float) * hpt * (pos - lo + 1));       \
+                const int64_t need = hpt * (pos - FIRST_KEY(pos, window) + 1);                  \
+                if (need > cap) {                                                               \
+                    float *grown = realloc(scores, sizeof(float) * need);                       \
                     if (grown == NULL) { failed = 1; continue; }                                \
                     scores = grown;                                                             \
-                    cap = hpt * (pos - lo + 1);                                                 \
+                    cap = need;                                                                 \
                 }                                                                               \
                 TASK(q, q_stride, out, rows, k_cache, v_cache, block_table, table_stride,      \
                      positions, num_heads, num_kv_heads, (D_ARG), block_size, window, scale,    \
@@ -178,5 +184,6 @@ int NAME(const float *q, int64_t q_stride, float *out, const int64_t *rows,
 #undef TASK
 #undef PREFETCH_SPAN
 #undef ENTER_BLOCK
+#undef FIRST_KEY
 #undef MAX_VECTORS
 #undef VECTOR_HEAD
