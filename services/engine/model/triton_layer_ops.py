@@ -5,7 +5,13 @@ kernels, RoPE on q and k about a dozen, SiLU-and-mul three. Here each is one
 kernel that rounds as ``TorchLayerOps`` does (HF transformers' order: the
 norm in float32, each torch op's result rounded to the model dtype), so bf16
 outputs match torch's to the last bit or one rounding, float32 within float32
-rounding. Installed with the Triton attention backend (``select_layer_ops``).
+rounding. ``ModelRunner`` installs them with the Triton attention backend.
+
+Every launch turns floating-point contraction off (``NO_FMA``): with it on, the
+compiler fuses RoPE's ``x * cos`` into the following add as one FMA, which
+skips the product's rounding to the model dtype, and about one output in five
+differed from torch's (by up to a bf16 ulp of the terms, 289 ulps of a result
+that cancels to zero), in bf16 and fp16 alike, on an H200.
 
 Importing this module needs triton; ``TRITON_INTERPRET=1`` before that runs the
 kernels on CPU tensors, which is how the unit tests check them.
@@ -88,6 +94,10 @@ def _silu_mul_kernel(gu_ptr, out_ptr, stride_t, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + row * n + c, (s * u).to(g.dtype), mask=ok)
 
 
+# Kernel launch option: no FMA contraction, so each rounding written above happens.
+NO_FMA = {"enable_fp_fusion": False}
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
@@ -106,7 +116,7 @@ class TritonLayerOps(TorchLayerOps):
         _add_rms_norm_kernel[(t,)](
             x, delta if delta is not None else x, norm.weight, x_out, h_out, x.stride(0),
             delta.stride(0) if delta is not None else 0, n, norm.eps,
-            HAS_DELTA=delta is not None, BLOCK=_pow2(n))
+            HAS_DELTA=delta is not None, BLOCK=_pow2(n), **NO_FMA)
         return x_out, h_out
 
     def rope(self, rope: RotaryEmbedding, q: torch.Tensor, k: torch.Tensor,
@@ -120,7 +130,8 @@ class TritonLayerOps(TorchLayerOps):
         _rope_kernel[(t,)](
             q, k, q_out, k_out, rope.cos, rope.sin, positions, q.stride(0), q.stride(1),
             k.stride(0), k.stride(1), rope.cos.stride(0), heads, k.shape[1],
-            HEAD_DIM=d, BLOCK_D=_pow2(d), BLOCK_HQ=_pow2(heads), BLOCK_HK=_pow2(k.shape[1]))
+            HEAD_DIM=d, BLOCK_D=_pow2(d), BLOCK_HQ=_pow2(heads), BLOCK_HK=_pow2(k.shape[1]),
+            **NO_FMA)
         return q_out, k_out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -131,7 +142,8 @@ class TritonLayerOps(TorchLayerOps):
         _rows(gate_up)
         out = torch.empty((t, n), dtype=gate_up.dtype, device=gate_up.device)
         block = min(1024, _pow2(n))
-        _silu_mul_kernel[(t, -(-n // block))](gate_up, out, gate_up.stride(0), n, BLOCK=block)
+        _silu_mul_kernel[(t, -(-n // block))](gate_up, out, gate_up.stride(0), n, BLOCK=block,
+                                               **NO_FMA)
         return out
 
 
