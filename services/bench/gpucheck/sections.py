@@ -17,8 +17,8 @@ from services.bench.gpucheck.context import CheckContext
 from services.bench.gpucheck.kernel_check import check_kernel, check_layer_ops
 from services.bench.gpucheck.parity_checks import check_bf16, check_fp32
 from services.bench.gpucheck.report import Result, Status
-from services.bench.gpucheck.speed_checks import (check_decode, check_floors, check_kv_sizing,
-                                                  check_prefill)
+from services.bench.gpucheck.sizing_check import check_kv_sizing
+from services.bench.gpucheck.speed_checks import check_decode, check_floors, check_prefill
 from services.bench.gpucheck.stream_checks import check_streams
 from services.bench.gpucheck.transfer_checks import transfer_sections
 

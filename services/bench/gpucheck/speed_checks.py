@@ -64,22 +64,6 @@ def _free() -> None:
         torch.cuda.empty_cache()
 
 
-def check_kv_sizing(ctx: CheckContext) -> list[Result]:
-    if ctx.device.type != "cuda":
-        return [Result("kv cache sizing", Status.SKIP, "sized from free memory on CUDA only")]
-    eng = _engine(ctx, max_num_seqs=8, cuda_graphs=False)
-    free, total = torch.cuda.mem_get_info(ctx.device)
-    util = eng.config.cache.gpu_memory_utilization
-    kv_gib = eng.kv_cache.kv.numel() * eng.kv_cache.kv.element_size() / 2 ** 30
-    used = (total - free) / total
-    ok = kv_gib > 1 and used <= util + 0.02
-    del eng
-    _free()
-    return [Result("kv cache sizing", Status.PASS if ok else Status.FAIL,
-                   f"default --gpu-memory-utilization {util}: device {used:.0%} used after start",
-                   f"KV {kv_gib:.1f} GiB", f"<= {util:.0%} used, KV > 1 GiB")]
-
-
 def _decoding(eng, batch: int, context: int, tag: str) -> None:
     """``batch`` sequences prefilled and decoding."""
     from services.common.sampling_params import SamplingParams
