@@ -14,8 +14,9 @@ from services.engine.sampler import (
     apply_logit_bias,
     apply_penalties,
     apply_sampling_masks,
+    draw_from,
     noise_key,
-    seeded_noise,
+    seeded_uniform,
 )
 
 P = SamplingParams
@@ -341,10 +342,21 @@ def test_logprobs_probabilities_sum_to_one():
 
 # --- misc -------------------------------------------------------------------
 
-def test_seeded_noise_reproducible():
-    a = seeded_noise(7, 3, 10, torch.device("cpu"))
-    b = seeded_noise(7, 3, 10, torch.device("cpu"))
-    assert torch.equal(a, b) and not torch.equal(a, seeded_noise(7, 4, 10, torch.device("cpu")))
+def test_seeded_uniform_reproducible_and_in_range():
+    draws = [seeded_uniform(7, i) for i in range(2000)]
+    assert draws == [seeded_uniform(7, i) for i in range(2000)]
+    assert len(set(draws)) == 2000 and all(0.0 <= u < 1.0 for u in draws)
+    assert abs(sum(draws) / len(draws) - 0.5) < 0.03
+    assert seeded_uniform(2**64 - 1, 2**40) < 1.0
+
+
+@pytest.mark.parametrize("scale", [1.0, 3.0])  # rows need not sum to 1
+def test_draw_from_takes_the_interval_u_falls_in_never_an_empty_one(scale):
+    probs = torch.tensor([0.0, 0.25, 0.0, 0.0, 0.75, 0.0]) * scale  # [V]
+    cases = {0.0: 1, 0.2499: 1, 0.25: 4, 0.9999999: 4, float(1 - 2.0 ** -53): 4}
+    u = torch.tensor(list(cases), dtype=torch.float64)
+    got = draw_from(probs.expand(len(cases), -1), u).tolist()
+    assert got == list(cases.values())
 
 
 def test_shared_seed_reproducible_and_half_precision_input():

@@ -4,7 +4,7 @@ A speculating sequence with draft ``d_1 .. d_k`` has its target logits scored at
 ``k + 1`` positions in one forward pass: position ``j`` sees the committed tokens
 plus ``d_1 .. d_j``. Each position is sampled exactly as a plain decode step
 would sample it, as if the draft before it had been accepted (same penalties
-over the same output so far, same min_tokens bans, same seeded noise keyed by the
+over the same output so far, same min_tokens bans, same seeded draw keyed by the
 same output index). Then, walking ``j = 0, 1, ...``: the sample ``t_j`` is
 committed; if ``t_j == d_{j+1}`` the next position is valid too, otherwise the
 walk stops there (``t_j`` is the correction), and after ``k`` matches ``t_k`` is a
@@ -20,7 +20,7 @@ matching against the argmax.
 
 Because every committed token is the very sample the non-speculative sampler
 would draw at that output index, outputs are token-identical with speculation on
-and off for greedy requests and for requests with a ``seed`` (the seeded noise
+and off for greedy requests and for requests with a ``seed`` (the seeded draw
 is a pure function of (seed, output index)). Unseeded random requests draw from
 the engine's shared generator, which rejected positions also consume, so they
 are identically distributed but not the same stream as without speculation.
