@@ -34,6 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="every request's sampling temperature, on every side (default 0: greedy; "
+                        "outputs are compared only then)")
+    p.add_argument("--top-p", type=float, default=1.0, help="every request's top-p, on every side")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--decode-steps", type=int, default=64,
                    help="steps run at batch 1 (at least 2; every fourth follows a streaming read and is not timed)")
@@ -95,17 +99,20 @@ def read_bandwidth_gbs(num_bytes: int = 256 * 2**20, repeats: int = 5) -> float:
     return max(read.gbs() for _ in range(repeats))
 
 
-def bench_engine(llm, prompts, output_len: int) -> tuple[float, list[list[int]]]:
+def bench_engine(llm, prompts, output_len: int, temperature: float = 0.0,
+                 top_p: float = 1.0) -> tuple[float, list[list[int]]]:
     from services.engine import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=output_len,
+                            ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     return time.perf_counter() - t0, [o.outputs[0].token_ids for o in outs]
 
 
-def bench_hf(path: str, prompts, output_len: int) -> tuple[float, list[list[int]]]:
+def bench_hf(path: str, prompts, output_len: int, temperature: float = 0.0,
+             top_p: float = 1.0) -> tuple[float, list[list[int]]]:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -113,6 +120,8 @@ def bench_hf(path: str, prompts, output_len: int) -> tuple[float, list[list[int]
     ids = torch.tensor(prompts)  # equal lengths: no padding needed
     kw = dict(do_sample=False, max_new_tokens=output_len, min_new_tokens=output_len,
               pad_token_id=0)
+    if temperature > 0:
+        kw.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=None)
     with torch.inference_mode():
         model.generate(ids[:2, :8], attention_mask=torch.ones_like(ids[:2, :8]),
                        **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
@@ -196,7 +205,8 @@ def main_vllm(args: argparse.Namespace, path: str) -> int:
                              ttft_lens=sorted(set(clipped)), runs=args.runs, seed=args.seed,
                              max_model_len=context, onednn=not args.no_onednn,
                              cpu_kernels=not args.no_cpu_kernels, dtype=args.dtype,
-                             weight_layout=args.cpu_weight_layout, ttft_repeats=args.ttft_repeats)
+                             weight_layout=args.cpu_weight_layout, ttft_repeats=args.ttft_repeats,
+                             temperature=args.temperature, top_p=args.top_p)
     print(runinfo.machine_line(), flush=True)
     if clipped != lens:
         print(f"  TTFT lengths clipped to the model's context minus one: {plan.ttft_lens}")
@@ -225,6 +235,10 @@ def main(args: argparse.Namespace) -> int:
     from services.engine import LLM, heap
 
     path = model_path(args.model)
+    if not 0.0 <= args.temperature <= 2.0 or not 0.0 < args.top_p <= 1.0:
+        print("tandem bench offline: --temperature must be in [0, 2] and --top-p in (0, 1]",
+              file=sys.stderr)
+        return 2
     if args.vllm_python:
         return main_vllm(args, path)
     if args.decode_steps < 2:
@@ -241,13 +255,16 @@ def main(args: argparse.Namespace) -> int:
     result: dict = dict(model=path, num_prompts=args.num_prompts, input_len=args.input_len,
                         output_len=args.output_len, threads=args.threads)
 
-    t_engine, engine_tokens = bench_engine(llm, prompts, args.output_len)
+    sampling = dict(temperature=args.temperature, top_p=args.top_p)
+    result.update(sampling)
+    t_engine, engine_tokens = bench_engine(llm, prompts, args.output_len, **sampling)
     result["tandem_tok_s"] = total_out / t_engine
     if not args.no_hf:
-        t_hf, hf_tokens = bench_hf(path, prompts, args.output_len)
+        t_hf, hf_tokens = bench_hf(path, prompts, args.output_len, **sampling)
         result["hf_tok_s"] = total_out / t_hf
         result["ratio"] = result["tandem_tok_s"] / result["hf_tok_s"]
-        result["greedy_identical"] = sum(a == b for a, b in zip(engine_tokens, hf_tokens))
+        if args.temperature == 0:
+            result["greedy_identical"] = sum(a == b for a, b in zip(engine_tokens, hf_tokens))
 
     weights = llm.engine.runner.model.weight_bytes(include_embedding=False)  # read per step
     step_ms, bw, best_bw = decode_steps_and_reads(llm, prompts[0], args.decode_steps)
@@ -258,12 +275,13 @@ def main(args: argparse.Namespace) -> int:
 
     print(runinfo.machine_line())
     print(f"model {path}: {args.num_prompts} prompts x ({args.input_len} in, "
-          f"{args.output_len} out), {args.threads} threads")
+          f"{args.output_len} out), {args.threads} threads, {side_by_side.sampling_label(args.temperature, args.top_p)}")
     print(f"  tandem engine       {result['tandem_tok_s']:8.1f} output tok/s")
     if "hf_tok_s" in result:
         print(f"  transformers batch  {result['hf_tok_s']:8.1f} output tok/s")
-        print(f"  ratio               {result['ratio']:8.2f}x  "
-              f"(greedy outputs identical: {result['greedy_identical']}/{args.num_prompts})")
+        same = (f"greedy outputs identical: {result['greedy_identical']}/{args.num_prompts}"
+                if "greedy_identical" in result else "sampled: outputs not compared")
+        print(f"  ratio               {result['ratio']:8.2f}x  ({same})")
     print(f"  decode step, batch 1: {step_ms:.2f} ms (median); floor {floor_ms:.2f} ms "
           f"({weights / 1e6:.0f} MB weights at {bw:.1f} GB/s, the median read between the steps) -> "
           f"{100 * floor_ms / step_ms:.0f}% of floor; against the best read ({best_bw:.1f} GB/s) "

@@ -57,6 +57,8 @@ class Plan:
     dtype: str = "float32"  # both sides
     weight_layout: str = EngineConfig.cpu_weight_layout  # tandem's CPU weight layout
     ttft_repeats: int = 3  # TTFT calls per side, length and round, alternating; the best counts
+    temperature: float = 0.0  # every request's, both sides (0: greedy)
+    top_p: float = 1.0
 
 
 @dataclass
@@ -105,6 +107,11 @@ def side_env(threads: int, vllm: bool, kv_cache_gb: float) -> dict[str, str]:
     return env
 
 
+def sampling_label(temperature: float, top_p: float) -> str:
+    """How every request samples, as the reports print it."""
+    return "greedy" if temperature == 0 else f"sampled at temperature {temperature:g}, top-p {top_p:g}"
+
+
 def _prompts(rng: random.Random, n: int, length: int, vocab: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
 
@@ -123,7 +130,8 @@ def start_sides(plan: Plan, vllm_python: str, kv_cache_gb: float, log_dir: str) 
             side.info = side.call("load", LOAD_TIMEOUT_S, model=plan.model, threads=plan.threads,
                                   max_model_len=plan.max_model_len,
                                   max_num_batched_tokens=plan.max_num_batched_tokens,
-                                  seed=plan.seed, dtype=plan.dtype, **extra)["info"]
+                                  seed=plan.seed, dtype=plan.dtype, temperature=plan.temperature,
+                                  top_p=plan.top_p, **extra)["info"]
     except BaseException:
         for side in sides.values():
             side.close()
@@ -213,13 +221,15 @@ def report(result: dict[str, Any], plan: Plan) -> list[str]:
     t = result["throughput"]
     engine = result["sides"]["vllm"].get("engine", "vllm")
     lines = [f"tandem vs {engine}: {result['rounds']} interleaved runs each, "
-             f"{plan.threads} threads, {plan.dtype}, {plan.num_prompts} prompts x ({plan.input_len} in, {plan.output_len} out)"]
+             f"{plan.threads} threads, {plan.dtype}, {plan.num_prompts} prompts x ({plan.input_len} in, "
+             f"{plan.output_len} out), {sampling_label(plan.temperature, plan.top_p)}"]
     for side in ("tandem", "vllm"):
         lines.append(f"  {side:6s} output tok/s  median {t[side]['median']:8.1f}  "
                      f"(min {t[side]['min']:.1f}, max {t[side]['max']:.1f})")
+    same = (f"greedy outputs identical {result['greedy_identical']}/{result['greedy_total']}"
+            if plan.temperature == 0 else "outputs not compared")
     lines.append(f"  tandem / vllm (medians) {t['ratio_of_medians']:.2f}x; per round "
-                 f"{min(t['round_ratios']):.2f}-{max(t['round_ratios']):.2f}x; greedy outputs identical "
-                 f"{result['greedy_identical']}/{result['greedy_total']}")
+                 f"{min(t['round_ratios']):.2f}-{max(t['round_ratios']):.2f}x; {same}")
     if result["ttft"]:
         lines.append(f"  TTFT: each round's best of {plan.ttft_repeats} calls per side, then medians over rounds")
     for n, s in result["ttft"].items():

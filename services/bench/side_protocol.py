@@ -10,8 +10,9 @@ library only.
 Wire format, one JSON object per line. Requests on the side's stdin::
 
     {"op": "load", "model": DIR, "threads": N, "max_model_len": N,
-     "max_num_batched_tokens": N, "seed": N, "dtype": "float32"|"bfloat16"}
-    {"op": "generate", "prompts": [[ids]], "output_len": N}   # greedy, ignore_eos
+     "max_num_batched_tokens": N, "seed": N, "dtype": "float32"|"bfloat16",
+     "temperature": T, "top_p": P}                             # every request's; 0: greedy
+    {"op": "generate", "prompts": [[ids]], "output_len": N}   # ignore_eos
     {"op": "ttft", "prompt": [ids]}                            # one prompt, one token
     {"op": "quit"}
 
@@ -38,14 +39,14 @@ class Backend(Protocol):
     """One engine as a side serves it; each call times itself."""
 
     def generate(self, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
-        """Seconds to generate ``output_len`` greedy tokens (EOS ignored) for every prompt, and the ids."""
+        """Seconds to generate ``output_len`` tokens (EOS ignored) for every prompt, and the ids."""
 
     def ttft(self, prompt: list[int]) -> float:
         """Seconds from submitting one prompt to its first token."""
 
 
 class TimedBackend:
-    """A ``Backend`` whose calls are one timed greedy generation each; subclasses give
+    """A ``Backend`` whose calls are one timed generation each; subclasses give
     ``_generate`` (the ids of each prompt's ``output_len`` tokens)."""
 
     def _generate(self, prompts: list[list[int]], output_len: int) -> list[list[int]]:

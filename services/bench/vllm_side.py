@@ -15,20 +15,23 @@ from services.bench.side_protocol import TimedBackend, serve
 
 
 class VllmBackend(TimedBackend):
-    """``vllm.LLM`` over a model folder; greedy, EOS ignored, prompts as token ids."""
+    """``vllm.LLM`` over a model folder; EOS ignored, prompts as token ids, every request
+    sampled alike (greedy by default)."""
 
     def __init__(self, model: str, max_model_len: int, max_num_batched_tokens: int,
-                 seed: int, dtype: str = "float32") -> None:
+                 seed: int, dtype: str = "float32", temperature: float = 0.0,
+                 top_p: float = 1.0) -> None:
         from vllm import LLM
 
         self.llm = LLM(model=model, tokenizer=model, dtype=dtype, seed=seed,
                        max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
                        enable_prefix_caching=False)
+        self.sampling = dict(temperature=temperature, top_p=top_p)
 
     def _generate(self, prompts: list[list[int]], output_len: int) -> list[list[int]]:
         from vllm import SamplingParams
 
-        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        params = SamplingParams(max_tokens=output_len, ignore_eos=True, **self.sampling)
         inputs: Any = [{"prompt_token_ids": p} for p in prompts]
         outs = self.llm.generate(inputs, params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
@@ -41,7 +44,8 @@ def load(**req: Any) -> tuple[VllmBackend, dict[str, Any]]:
 
     backend = VllmBackend(req["model"], int(req["max_model_len"]),
                           int(req["max_num_batched_tokens"]), int(req["seed"]),
-                          str(req.get("dtype", "float32")))
+                          str(req.get("dtype", "float32")), float(req.get("temperature", 0.0)),
+                          float(req.get("top_p", 1.0)))
     return backend, {"engine": f"vllm {vllm.__version__}", "torch": torch.__version__}
 
 

@@ -136,3 +136,23 @@ def test_the_batch_one_step_is_set_against_reads_taken_between_the_steps(tmp_pat
     assert res["decode_vs_best_floor"] <= res["decode_vs_floor"]
     assert "the median read between the steps" in capsys.readouterr().out
     assert main(["bench", "offline", "--model", str(tiny_model_dir), "--no-hf", "--decode-steps", "1"]) == 2
+
+
+def test_sampled_runs_ask_both_sides_to_sample_and_compare_no_outputs(tmp_path, tiny_model_dir, capsys):
+    out = tmp_path / "r.json"
+    rc = main(["bench", "offline", "--model", str(tiny_model_dir), "--vllm-python", str(_fake_python(tmp_path)),
+               "--threads", "1", "--runs", "1", "--num-prompts", "2", "--input-len", "8",
+               "--output-len", "2", "--ttft-lens", "16", "--temperature", "0.8", "--top-p", "0.95",
+               "--json", str(out)])
+    assert rc == 0
+    request = json.loads(out.read_text())["sides"]["vllm"]["request"]
+    assert (request["temperature"], request["top_p"]) == (0.8, 0.95)
+    printed = capsys.readouterr().out
+    assert "sampled at temperature 0.8, top-p 0.95" in printed and "outputs not compared" in printed
+    assert "greedy outputs identical" not in printed
+
+
+@pytest.mark.parametrize("flags", [["--temperature", "2.5"], ["--top-p", "0"]])
+def test_sampling_flags_out_of_range_are_refused(tiny_model_dir, flags, capsys):
+    assert main(["bench", "offline", "--model", str(tiny_model_dir), "--no-hf", *flags]) == 2
+    assert "--temperature must be in [0, 2]" in capsys.readouterr().err
