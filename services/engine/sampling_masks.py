@@ -97,17 +97,18 @@ def _candidate_mask(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tenso
     srt, order = vals.gather(1, by_id).sort(dim=-1, descending=True, stable=True)  # [B, c]
     ids = ids.gather(1, order)  # [B, c] token ids in the rows' stable descending order
     active = torch.zeros(bsz, dtype=torch.bool, device=logits.device)  # rows with a mask
+    beyond = torch.zeros_like(active)  # rows whose k-th value is not a candidate
     kth = None
     if k is not None:
         on = k < vocab  # [B]
-        # k > c: the last candidate stands in for the k-th, kept, so the row is redone below
+        beyond = on & (k > c)  # (the last candidate stands in for it; the row is redone)
         kth = srt.gather(1, (k.clamp(max=c) - 1)[:, None]).masked_fill_(~on[:, None], float("-inf"))
         active |= on
     if p is not None:
         active |= p < 1.0
     keep = _sorted_keep(logits, srt, kth, p)  # [B, c]
     above_floor = srt > srt[:, -1:]  # [B, c] placed as in the full sort
-    redo = (keep & ~above_floor).any(dim=-1) & active  # [B]
+    redo = beyond | ((keep & ~above_floor).any(dim=-1) & active)  # [B]
     mask = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, ids, keep)  # [B, V]
     mask[~active] = True
     return mask, redo

@@ -34,6 +34,7 @@ def test_candidate_masks_equal_full_sort_masks(monkeypatch, seed, candidates):
     g = torch.Generator().manual_seed(100 + seed)
     top_k = torch.randint(1, candidates + 1, (bsz,), generator=g)
     top_k[::4] = vocab  # off
+    top_k[2::4] = torch.randint(candidates + 1, vocab, (3,), generator=g)  # beyond the candidates
     top_p = torch.rand(bsz, generator=g) * 0.9 + 0.05
     top_p[1::5] = 1.0  # off
     decided = 0
