@@ -136,13 +136,14 @@ def _samples(text: str, name: str) -> dict[str, tuple[dict[str, str], float]]:
 
 
 def _metrics_once_counted(url: str, kv_bytes: float, timeout_s: float = 60.0) -> str:
-    """The first /metrics page whose snapshot counts ``kv_bytes`` on a worker (or the
-    last one read, after ``timeout_s``: the assertions then say what is missing)."""
+    """The first /metrics page whose snapshot counts ``kv_bytes`` on both workers, the
+    sender and the receiver, whose snapshots refresh apart (or the last one read, after
+    ``timeout_s``: the assertions then say what is missing)."""
     deadline = time.monotonic() + timeout_s
     while True:
         page = httpx.get(url + "/metrics", timeout=30).text
         counted = [v for _, v in _samples(page, "tandem_kv_transfer_bytes_total").values()]
-        if kv_bytes in counted or time.monotonic() > deadline:
+        if counted.count(kv_bytes) >= 2 or time.monotonic() > deadline:
             return page
         time.sleep(0.5)
 
