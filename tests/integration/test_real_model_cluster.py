@@ -1,5 +1,6 @@
 """The real default model through the cluster in every mode, via the openai SDK: greedy
-chat completions token-identical to transformers loading the same GGUF (fp32)."""
+chat completions token-identical to transformers loading the same GGUF (fp32), and seeded
+top-p samples token-identical to the offline engine's."""
 
 from __future__ import annotations
 
@@ -51,3 +52,36 @@ def test_greedy_chat_through_the_cluster_matches_transformers(served, real_model
         assert reply.choices[0].message.content == text, question
         assert reply.usage.completion_tokens == len(expected), question
         assert reply.choices[0].finish_reason == ("stop" if expected[-1] == EOS else "length")
+
+
+SAMPLED = dict(temperature=0.8, top_p=0.95)
+
+
+@pytest.fixture(scope="module")
+def sampled_reference(real_model_dir, real_model_reference):
+    """The offline engine's seeded samples of each chat prompt (seed 11 + i)."""
+    from services.engine import LLM, SamplingParams
+    from services.engine.model.config import ModelConfig
+    from services.engine.sampling_masks import CANDIDATES
+
+    # a vocabulary beyond the candidates: top-p is decided among them, as in production
+    assert ModelConfig.from_dir(real_model_dir).vocab_size > CANDIDATES
+    llm = LLM(str(real_model_dir), dtype="float32")
+    outs = [llm.generate([prompt], SamplingParams(max_tokens=MAX_NEW, seed=11 + i, **SAMPLED))[0]
+            for i, prompt in enumerate(real_model_reference["prompts"])]
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_seeded_top_p_chat_through_the_cluster_matches_the_offline_engine(
+        served, real_model_reference, sampled_reference):
+    import openai
+
+    client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused")
+    greedy = real_model_reference["outputs"]
+    assert any(s != g for s, g in zip(sampled_reference, greedy))  # it sampled
+    for i, (question, expected) in enumerate(zip(QUESTIONS, sampled_reference)):
+        reply = client.chat.completions.create(
+            model="smollm2", messages=messages(question), max_tokens=MAX_NEW, seed=11 + i, **SAMPLED)
+        text = real_model_reference["tokenizer"].decode(expected, skip_special_tokens=True)
+        assert reply.choices[0].message.content == text, question
+        assert reply.usage.completion_tokens == len(expected), question
