@@ -275,7 +275,8 @@ def main(args: argparse.Namespace) -> int:
 
     print(runinfo.machine_line())
     print(f"model {path}: {args.num_prompts} prompts x ({args.input_len} in, "
-          f"{args.output_len} out), {args.threads} threads, {side_by_side.sampling_label(args.temperature, args.top_p)}")
+          f"{args.output_len} out), {args.threads} threads, "
+          f"{side_by_side.sampling_label(args.temperature, args.top_p)}")
     print(f"  tandem engine       {result['tandem_tok_s']:8.1f} output tok/s")
     if "hf_tok_s" in result:
         print(f"  transformers batch  {result['hf_tok_s']:8.1f} output tok/s")
