@@ -22,9 +22,10 @@ from services.engine import LLM
 from tests.hf_models import VOCAB
 from tests.integration.test_cluster import _config, wait_all_free
 
-# long enough that streams still run when a drain requested through Ray (polled every
-# 0.5 s) reaches the gateway
+# long enough that streams still run when a drain requested through Ray reaches the
+# gateway (its requests polled every CONTROL_POLL_S here)
 PARAMS = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+CONTROL_POLL_S = 0.02  # at the default 0.5 s, one CI run's streams had all ended first
 NUM_STREAMS = 6
 NUM_LATE = 3
 
@@ -117,6 +118,7 @@ def test_drained_decode_workers_cut_no_stream(ray_session, checkpoint, prompts, 
     from services.cluster import control
     from services.cluster.cluster import LOAD_REFRESH_S, Cluster
 
+    monkeypatch.setattr(control, "POLL_S", CONTROL_POLL_S)
     cluster = Cluster(_config(checkpoint, prefill_workers=1, decode_workers=3)).start()
     try:
         node = cluster.placement["decode-0"].node_id  # one node here: every worker's
