@@ -56,6 +56,7 @@ def test_dry_run_runs_every_section_on_cpu_and_prints_one_table():
         assert section in rows, f"{section!r} missing from\n{table}"
     assert rows["engine fp32 vs transformers"] == "PASS"
     assert rows["cuda graphs vs eager tokens"] == "PASS"
+    assert rows["sampling masks"] == rows["seeded sampling fp32"] == "DRY"  # ran, agreed
     assert rows["kv transfer: one device"] == "DRY"  # both ends moved the cache, intact
     assert rows["kv transfer: two devices"] == "SKIP"
     assert any(name.startswith("kernel float32") and status == "PASS"

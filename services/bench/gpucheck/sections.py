@@ -17,6 +17,7 @@ from services.bench.gpucheck.context import CheckContext
 from services.bench.gpucheck.kernel_check import check_kernel, check_layer_ops
 from services.bench.gpucheck.parity_checks import check_bf16, check_fp32
 from services.bench.gpucheck.report import Result, Status
+from services.bench.gpucheck.sampling_check import check_sampling
 from services.bench.gpucheck.sizing_check import check_kv_sizing
 from services.bench.gpucheck.speed_checks import check_decode, check_floors, check_prefill
 from services.bench.gpucheck.stream_checks import check_streams
@@ -45,6 +46,7 @@ def sections() -> list[Section]:
         ("layer ops", check_layer_ops),
         ("engine fp32", check_fp32),
         ("engine bf16", check_bf16),
+        ("sampling", check_sampling),
         ("kv sizing", check_kv_sizing),
         *transfer_sections(),
         ("streams", check_streams),
