@@ -225,7 +225,7 @@ class EngineConfig:
     cpu_weight_layout: str = field(default="packed", metadata={
         "choices": CPU_WEIGHT_LAYOUTS,
         "help": "CPU weights (the offline engine, colocated workers, the decode pool by "
-                "default): packed (fp32 on AVX-512: one native kernel for every step, decode "
+                "default): packed (fp32 on AVX-512 or AVX2: one native kernel for every step, decode "
                 "steps through all layers in one native call; else blocked), blocked "
                 "(oneDNN's layout) or plain (oneDNN, and the native GEMV for decode steps of up "
                 "to 16 rows in fp32, 2 in bf16)"})

@@ -9,6 +9,7 @@ import pytest
 import ray
 
 from services.cluster.cluster import Cluster
+from services.engine.model import packed_linear
 from tests.integration.test_cluster import _config, prompts, reference, run_all, wait_all_free  # noqa: F401
 
 
@@ -21,6 +22,10 @@ def _layouts(actor) -> tuple[set[str], bool]:
         layers = [m for m in model.layers.modules() if isinstance(m, CpuLinear)]
         return {m.layout for m in layers}, model.decode_stack is not None
     return ray.get(actor.__ray_call__.remote(probe), timeout=60)
+
+
+pytestmark = pytest.mark.skipif(packed_linear.load() is None,
+                                reason="no AVX-512 or AVX2 + FMA: weights asked to be packed take oneDNN's layout")
 
 
 # (mode, prefill pool's layout, decode pool's): None is the default (blocked, packed)

@@ -1,19 +1,21 @@
 """The packed fp32 linear (csrc/packed_linear.c): the product of the plain weight for
-every row count and shape edge, each row's result independent of its batch, on the
-AVX-512 build and on the portable one; and the gate|up product fused with SiLU·mul."""
+every row count and shape edge, each row's result independent of its batch, on this
+CPU's build and on the AVX2 and portable ones; and the gate|up product fused with SiLU·mul."""
 
 from __future__ import annotations
 
 import ctypes
+import platform
 import shutil
 import subprocess
 
 import pytest
 import torch
 
-from services.engine.model import cpu_features, kernel_build, packed_linear
+from services.engine.model import kernel_build, packed_linear
 
-pytestmark = pytest.mark.skipif(packed_linear.load() is None, reason="no C compiler on this machine")
+pytestmark = pytest.mark.skipif(packed_linear.load() is None,
+                                reason="no C compiler, or no AVX-512 or AVX2 + FMA on this machine")
 
 # (N, K): panels full, partial, one; from 128 rows on, pairs of panels (an odd one left per
 # thread; the pair's second panel partial)
@@ -79,36 +81,45 @@ def test_it_refuses_what_does_not_fit():
         kernels.pack(w.bfloat16())
 
 
-@pytest.mark.skipif("avx512f" not in cpu_features.cpu_flags(), reason="no AVX-512: only one build")
-def test_the_portable_build_computes_the_same(tmp_path):
-    """Built without AVX-512 (the loop a CPU without it runs): the same products, and rows
-    still independent of their batch."""
+def _build(tmp_path, march: str) -> packed_linear.PackedKernels:
+    """packed_linear.c alone, compiled for ``march`` instead of this CPU."""
     compiler = shutil.which("cc") or shutil.which("gcc")
-    lib_path = tmp_path / "portable.so"
-    flags = [f for f in kernel_build.FLAGS if f != "-march=native"] + ["-march=x86-64-v3"]
+    lib_path = tmp_path / f"{march}.so"
+    flags = [f for f in kernel_build.FLAGS if f != "-march=native"] + [f"-march={march}"]
     subprocess.run([compiler, *flags, "-o", str(lib_path), str(kernel_build.CSRC / "packed_linear.c")],
                    check=True, capture_output=True, timeout=120)
 
     class Lib:  # what PackedKernels binds from the library
         lib = ctypes.CDLL(str(lib_path))
-    portable = packed_linear.PackedKernels(Lib())  # type: ignore[arg-type]
-    native = packed_linear.load()
+    return packed_linear.PackedKernels(Lib())  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 builds")
+@pytest.mark.parametrize("march,exact", [("x86-64-v3", True), ("x86-64-v2", False)])
+def test_the_other_builds_compute_the_same(tmp_path, march, exact):
+    """Built for AVX2 + FMA (x86-64-v3: the AVX2 micro-kernel) the products are bit-identical
+    to this CPU's build (AVX-512 or AVX2: the same FMA chain per output); built without FMA
+    (x86-64-v2: the portable loop) within rounding. Rows stay independent of their batch."""
+    other, native = _build(tmp_path, march), packed_linear.load()
+    same = torch.equal if exact else (lambda a, b: torch.allclose(a, b, atol=1e-5, rtol=1e-5))
     w, b, gen = _case(161, 70, bias=True)
     packed = native.pack(w)
-    assert torch.equal(portable.pack(w), packed)
-    for rows in (30, 130):  # the native build: one panel at a time, then pairs
+    assert torch.equal(other.pack(w), packed)
+    for rows in (1, 4, 30, 130):  # the native build: one panel at a time, then pairs
         x = torch.randn(rows, 70, generator=gen)
-        batch = portable.linear(x, packed, b, 161)
-        torch.testing.assert_close(batch, native.linear(x, packed, b, 161), atol=1e-5, rtol=1e-5)
-        assert torch.equal(portable.linear(x[7:8].contiguous(), packed, b, 161)[0], batch[7])
+        batch = other.linear(x, packed, b, 161)
+        assert same(batch, native.linear(x, packed, b, 161)), rows
+        assert torch.equal(other.linear(x[rows // 2:rows // 2 + 1].contiguous(), packed, b, 161)[0],
+                           batch[rows // 2])
+    assert same(other.linear(x, packed, None, 161), native.linear(x, packed, None, 161))
     from services.engine.model import cpu_kernels
 
     w, b, gen = _case(128, 70, bias=True)  # gate|up of 64 channels each
     packed = native.pack(w)
     for rows in (3, 130):
         x = torch.randn(rows, 70, generator=gen)
-        want = cpu_kernels.load().silu_mul(portable.linear(x, packed, b, 128))
-        assert torch.equal(portable.gate_up_silu(x, packed, b, 128), want)
+        want = cpu_kernels.load().silu_mul(other.linear(x, packed, b, 128))
+        assert torch.equal(other.gate_up_silu(x, packed, b, 128), want)
 
 
 @pytest.mark.parametrize("inter,k", [(32, 17), (160, 64), (1536, 576)])

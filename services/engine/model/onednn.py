@@ -9,7 +9,7 @@ Each weight is stored once, in one of three layouts (``--cpu-weight-layout``):
   steps at batch 1 / 16 / 32: 24.5-25.2 / 51-70 / 76-103 ms against 35-44 / 70-85 /
   93-100), and C can read it, so a decode step of any batch runs all its layers in one
   native call (``decode_stack.py``). bf16 weights asked to be packed take blocked,
-  and so do all weights on CPUs without AVX-512 or without the native kernels.
+  and so do all weights on CPUs without AVX-512 or AVX2 + FMA, or without the native kernels.
 - **blocked**: oneDNN's ``_linear_pointwise`` on a weight reordered once into its blocked
   layout (``_reorder_linear_weight``, an opaque tensor): in bf16 it runs on AMX tiles.
 - **plain**: ``[out, in]`` as loaded; oneDNN, and the native GEMV (``cpu_kernels.gemv``,
@@ -117,8 +117,8 @@ class CpuLinear(nn.Module):
 def storage_layout(layout: str, dtype: torch.dtype, packable: bool) -> str:
     """The layout a weight of ``dtype`` is stored in when ``layout`` (blocked | plain |
     packed) is asked for: packed is fp32 only and needs the native kernel on a CPU with
-    AVX-512 (``packable``: ``packed_linear.load()``); otherwise it falls back to blocked
-    (bf16 weights: oneDNN on AMX)."""
+    AVX-512 or AVX2 + FMA (``packable``: ``packed_linear.load()``); otherwise it falls
+    back to blocked (bf16 weights: oneDNN on AMX)."""
     if layout not in LAYOUTS:
         raise ValueError(f"CPU weight layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
     if layout == "packed" and not (dtype == torch.float32 and packable):

@@ -92,12 +92,17 @@ class PackedKernels:
         return out
 
 
+def has_vector_kernel(flags: frozenset[str]) -> bool:
+    """Whether ``csrc/packed_linear.c`` has a vector micro-kernel for these CPU flags."""
+    return "avx512f" in flags or {"avx2", "fma"} <= flags
+
+
 @cache
 def load() -> PackedKernels | None:
-    """The packed kernels where they are fast: a CPU with AVX-512 (the portable loop is
-    far slower than oneDNN on prompts, so layers keep oneDNN elsewhere) and a native
-    library that builds; else None."""
-    if "avx512f" not in cpu_features.cpu_flags():
+    """The packed kernels where they are fast: a CPU with AVX-512, or AVX2 and FMA (the
+    portable loop is far slower than oneDNN on prompts, so layers keep oneDNN elsewhere),
+    and a native library that builds; else None."""
+    if not has_vector_kernel(cpu_features.cpu_flags()):
         return None
     kernels = cpu_kernels.load()
     return None if kernels is None else PackedKernels(kernels)

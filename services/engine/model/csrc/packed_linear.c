@@ -4,7 +4,8 @@
  * holds W[j*32 .. j*32+31][k] for k = 0 .. K-1 as K runs of 32 contiguous floats (the
  * last panel zero-padded). A micro-kernel multiplies up to MR = 14 input rows by one
  * panel with 28 vector accumulators: per k two loads of the panel, one broadcast per
- * row. Rows are taken MC at a time (their inputs stay in L2) against every panel of
+ * row (AVX2, packed_avx2.h: up to 3 rows x 32 channels or 6 rows x 16, 12 accumulators
+ * of 8 lanes). Rows are taken MC at a time (their inputs stay in L2) against every panel of
  * the thread's share (a panel stays in L2 across the block's micro-tiles), so:
  *   - a decode step of a few rows streams each panel from memory once, front to back;
  *   - a prompt of many rows runs at the core's FMA rate, like oneDNN's blocked layout.
@@ -37,8 +38,12 @@
 #include "team.h"
 
 #define NR TANDEM_PACK_WIDTH /* output channels per panel */
-#define MR 14                /* input rows per micro-tile */
-#define MC (12 * MR)         /* input rows per block */
+#if defined(__AVX512F__)
+#define MR 14                /* input rows per micro-tile: 28 of 32 zmm accumulate */
+#else
+#define MR 6                 /* AVX2: 6 rows x half a panel, 12 of 16 ymm accumulate */
+#endif
+#define MC 168               /* input rows per block */
 #define MR2 6                /* input rows per two-panel micro-tile */
 #define PAIR_ROWS 128        /* from this many rows on, two panels at a time */
 #define PREFETCH_K 16        /* k steps ahead (2 KB of the panel) */
@@ -139,6 +144,9 @@ static void tile_rows(const float *x, int64_t k_in, const float *panel, const fl
 #undef TILE
     }
 }
+
+#elif defined(__AVX2__) && defined(__FMA__)
+#include "packed_avx2.h"
 
 #else /* portable: the same sums in the same order; the compiler vectorizes over lanes */
 
