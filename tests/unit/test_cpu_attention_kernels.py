@@ -67,6 +67,18 @@ def test_gemv_matches_the_matmul(rows, dtype, n, k, bias):
     torch.testing.assert_close(kernels.gemv(x, w, b), ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_gemv_row_comes_out_bit_identical_alone_and_in_any_batch(dtype):
+    """Each output is one vector sum over K then a fixed horizontal sum (AVX-512, or AVX2 +
+    FMA), so a row's logits do not depend on the rows decoded beside it."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(301, 203, generator=gen).to(dtype)  # K: whole vectors and a tail
+    x = torch.randn(16, 203, generator=gen)
+    batch = kernels.gemv(x, w, None)
+    for lo, hi in ((0, 1), (5, 6), (3, 6), (2, 9), (15, 16)):
+        assert torch.equal(kernels.gemv(x[lo:hi].contiguous(), w, None), batch[lo:hi])
+
+
 def test_gemv_refuses_what_it_cannot_compute():
     x, w = torch.randn(17, 16), torch.randn(8, 16)
     with pytest.raises(ValueError, match="1..16 rows"):

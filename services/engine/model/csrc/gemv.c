@@ -5,9 +5,10 @@
  * W is streamed once from memory and multiplied with every input row while it sits in
  * registers, then in L1 (input rows in tiles of 4: one accumulator per input row and
  * weight row). Output channels are split over OpenMP threads in contiguous chunks, so
- * each thread streams its own part of W front to back. With AVX-512 each output is the
- * same sum in the same order whatever M is (the portable loop leaves that to the
- * compiler's vectorization).
+ * each thread streams its own part of W front to back. With AVX-512 (and with AVX2 +
+ * FMA, gemv_avx2.h: 8 lanes, input rows in tiles of 2) each output is the same sum in
+ * the same order whatever M is (the portable loop leaves that to the compiler's
+ * vectorization).
  *
  *   x    [M, K] fp32 contiguous, 1 <= M <= TANDEM_GEMV_MAX_ROWS
  *   w    [N, K] fp32 or bf16 contiguous
@@ -66,17 +67,27 @@ static inline __m512 load16_bf16(const uint16_t *p, __mmask16 m) {
 GEMV_BLOCK(block_f32, float, load16_f32)
 GEMV_BLOCK(block_bf16, uint16_t, load16_bf16)
 
-/* Input rows in tiles of 4: a block of 4 weight rows (at most 4 x K elements, in L1
+#define TILE_M 4 /* input rows per block */
+#define GEMV_TAIL_CASES(BLOCK, x, w, bias, y, n, n_out, k_in, m0, R)                           \
+    case 2: BLOCK(x + m0 * k_in, w, bias, y + m0 * n_out, n, n_out, k_in, 2, R); break;        \
+    case 3: BLOCK(x + m0 * k_in, w, bias, y + m0 * n_out, n, n_out, k_in, 3, R); break;
+
+#elif defined(__AVX2__) && defined(__FMA__)
+#include "gemv_avx2.h"
+#endif
+
+#if defined(TILE_M)
+/* Input rows in tiles of TILE_M: a block of 4 weight rows (at most 4 x K elements, in L1
  * after the first tile streamed it in) against each tile in turn, so W is read from
  * memory once whatever M is. */
 #define GEMV_TILES(BLOCK, x, w, bias, y, n, n_out, k_in, M, R)                                 \
     do {                                                                                       \
         int m0 = 0;                                                                            \
-        for (; m0 + 4 <= M; m0 += 4) BLOCK(x + m0 * k_in, w, bias, y + m0 * n_out, n, n_out, k_in, 4, R); \
+        for (; m0 + TILE_M <= M; m0 += TILE_M)                                                 \
+            BLOCK(x + m0 * k_in, w, bias, y + m0 * n_out, n, n_out, k_in, TILE_M, R);          \
         switch (M - m0) {                                                                      \
             case 1: BLOCK(x + m0 * k_in, w, bias, y + m0 * n_out, n, n_out, k_in, 1, R); break; \
-            case 2: BLOCK(x + m0 * k_in, w, bias, y + m0 * n_out, n, n_out, k_in, 2, R); break; \
-            case 3: BLOCK(x + m0 * k_in, w, bias, y + m0 * n_out, n, n_out, k_in, 3, R); break; \
+            GEMV_TAIL_CASES(BLOCK, x, w, bias, y, n, n_out, k_in, m0, R)                       \
             default: break;                                                                    \
         }                                                                                      \
     } while (0)
