@@ -25,8 +25,8 @@ install: $(BIN)/.installed
 serve: install
 	$(BIN)/tandem serve $(ARGS)
 
-test: install
-	$(BIN)/python -m pytest -q $(ARGS)
+test: install  # the 25 slowest tests listed at the end: where the suite's time goes on this machine
+	$(BIN)/python -m pytest -q --durations=25 $(ARGS)
 
 # The one-call device check of the CUDA path, on a GPU machine as it is: the python that holds
 # torch (and triton, transformers), our tree on PYTHONPATH, nothing installed. <= 8 minutes.
