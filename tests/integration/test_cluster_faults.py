@@ -11,12 +11,17 @@ from contextlib import aclosing
 import pytest
 import ray
 
+from services.common.config import ClusterConfig
 from services.common.sampling_params import SamplingParams
 from services.engine import LLM
 from tests.hf_models import VOCAB
 from tests.integration.test_cluster import _config, wait_all_free
 
 LONG = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+# A send in flight to a killed decode worker ends at the transfer timeout at the latest
+# (no heal runs here to tear the group down sooner); only then are the prompt's blocks
+# held for it on the prefill worker freed.
+AFTER_SENDS_END_S = ClusterConfig().transfer_timeout_s + 15.0
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +77,8 @@ def test_decode_worker_killed_mid_stream(cluster, prompts, reference):
     got = _stream_all_killing(cluster, prompts, victim)
     assert got == reference
     assert cluster.driver.num_redrives > 0
-    survivors = [s for s in wait_all_free(cluster) if s["worker_id"] != victim.worker_id]
+    survivors = [s for s in wait_all_free(cluster, AFTER_SENDS_END_S)
+                 if s["worker_id"] != victim.worker_id]
     assert all(s["free_blocks"] == s["total_blocks"] for s in survivors)
 
 
@@ -92,7 +98,8 @@ def test_a_worker_killed_mid_stream_in_the_other_modes(ray_session, checkpoint, 
         assert _stream_all_killing(cluster, prompts, victim) == reference
         redrives = cluster.driver.num_redrives
         assert 0 < cluster.router.decisions["local_resume"] <= redrives
-        survivors = [s for s in wait_all_free(cluster) if s["worker_id"] != victim.worker_id]
+        survivors = [s for s in wait_all_free(cluster, AFTER_SENDS_END_S)
+                     if s["worker_id"] != victim.worker_id]
         assert survivors and all(
             s["free_blocks"] == s["total_blocks"] and s["held"] == 0 for s in survivors)
         assert cluster.router.pending_summary()["requests"] == 0
