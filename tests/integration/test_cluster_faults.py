@@ -18,9 +18,9 @@ from tests.hf_models import VOCAB
 from tests.integration.test_cluster import _config, wait_all_free
 
 LONG = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
-# A send in flight to a killed decode worker ends at the transfer timeout at the latest
-# (no heal runs here to tear the group down sooner); only then are the prompt's blocks
-# held for it on the prefill worker freed.
+# A send in flight to a killed decode worker ends when the heal has started a new actor and
+# rebuilt the transfer group, or at the transfer timeout, whichever comes first; only then
+# are the prompt's blocks held for it on the prefill worker freed.
 AFTER_SENDS_END_S = ClusterConfig().transfer_timeout_s + 15.0
 
 
