@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(packed_linear.load() is None,
 # (N, K): panels full, partial, one; from 128 rows on, pairs of panels (an odd one left per
 # thread; the pair's second panel partial)
 SHAPES = [(1, 1), (31, 17), (32, 64), (33, 5), (100, 576), (96, 24), (161, 40)]
-ROWS = [1, 2, 6, 7, 13, 14, 15, 29, 127, 128, 168, 200, 301]  # micro-tiles of 14 and 6 rows, blocks of 168
+ROWS = [1, 2, 6, 7, 13, 14, 15, 29, 127, 128, 168, 200, 301]  # tiles of 14 and 6 rows (AVX2: 3 and 6), blocks of 168
 
 
 def _case(n: int, k: int, bias: bool, seed: int = 0):
