@@ -17,7 +17,7 @@ from tests.attention_reference import reference_prefill
 kernels = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler on this machine")
 needs_kernel = pytest.mark.skipif(kernels is None or not kernels.prefill_supported(64),
-                                  reason="no AVX-512 on this machine")
+                                  reason="no AVX-512 or AVX2 + FMA on this machine")
 
 
 def _case(heads, kv_heads, d, dtype, block_size, starts, lens, seed=0):
@@ -69,10 +69,11 @@ def test_paged_prefill_with_odd_block_sizes_and_long_chunks():
 
 @needs_kernel
 def test_paged_prefill_refuses_what_it_cannot_compute():
-    assert not kernels.prefill_supported(40) and kernels.prefill_supported(128)
-    q, k_cache, v_cache, table, first_rows = _case(4, 2, 40, torch.float32, 16, [0], [8])
+    # head sizes in whole vectors: 16 floats with AVX-512, 8 with AVX2
+    assert not kernels.prefill_supported(36) and kernels.prefill_supported(128)
+    q, k_cache, v_cache, table, first_rows = _case(4, 2, 36, torch.float32, 16, [0], [8])
     one = torch.tensor([0])
-    with pytest.raises(ValueError, match="head size 40"):
+    with pytest.raises(ValueError, match="head size 36"):
         kernels.paged_prefill(q, torch.empty_like(q), first_rows, one, torch.tensor([8]),
                               k_cache, v_cache, table, None, 1.0)
     q, k_cache, v_cache, table, first_rows = _case(4, 2, 64, torch.float32, 16, [0], [8])

@@ -2,9 +2,9 @@
 
 ``AttentionBackend`` is the seam where a kernel plugs in. ``TorchPagedAttention``
 is the CPU path: the native kernels (``cpu_kernels.py``, reading blocks in place)
-for decode groups and, where the CPU has AVX-512, prompt groups, when they are
-loaded (with AMX, prompts over a bf16 cache take a bf16 SDPA); SDPA over gathered
-blocks otherwise. ``TritonPagedAttention``
+for decode groups and, where the CPU has AVX-512 or AVX2 + FMA, prompt groups, when
+they are loaded (with AMX, prompts over a bf16 cache take a bf16 SDPA); SDPA over
+gathered blocks otherwise. ``TritonPagedAttention``
 (``triton_attention.py``) is the CUDA path, reading blocks in place for every
 step kind. The runner builds ``AttentionMetadata`` once per step, in the form
 the backend asks for (``uses_varlen``), and every layer reuses it.

@@ -140,7 +140,8 @@ class CpuKernels:
             raise MemoryError("paged_decode could not allocate its scratch buffers")
 
     def prefill_supported(self, head_dim: int) -> bool:
-        """Whether ``paged_prefill`` runs here (AVX-512 and a head size a multiple of 16)."""
+        """Whether ``paged_prefill`` runs here: AVX-512 and a head size a multiple of 16, or
+        AVX2 + FMA and a multiple of 8."""
         known = self._prefill_heads.get(head_dim)
         if known is None:
             known = self._prefill_heads[head_dim] = bool(self._prefill_supported(head_dim))

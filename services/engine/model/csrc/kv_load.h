@@ -1,10 +1,11 @@
 /* KV cache element types: fp32 as is, bf16 widened to fp32 (its top 16 bits); one
- * element, or (with AVX-512) 16 consecutive elements as a vector; and fp32 rounded to bf16. */
+ * element, or 8 (AVX2) or 16 (AVX-512) consecutive elements as a vector; and fp32 rounded
+ * to bf16. */
 #ifndef TANDEM_KV_LOAD_H
 #define TANDEM_KV_LOAD_H
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -24,6 +25,15 @@ static inline uint16_t tandem_round_bf16(float f) {
     if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
     return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
+
+#if defined(__AVX2__)
+static inline __m256 tandem_load8_f32(const float *p) { return _mm256_loadu_ps(p); }
+
+static inline __m256 tandem_load8_bf16(const uint16_t *p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+#endif
 
 #if defined(__AVX512F__)
 static inline __m512 tandem_load16_f32(const float *p) { return _mm512_loadu_ps(p); }

@@ -1,5 +1,5 @@
 /* Body of the paged prefill kernel, included once per KV element type with NAME (the
- * exported symbol), KV_T (the cache element) and KV_LOAD16 (16 elements -> floats)
+ * exported symbol), KV_T (the cache element) and KV_LOADV (VL elements -> floats)
  * defined. See paged_prefill.c. */
 #define TANDEM_CAT2(a, b) a##b
 #define TANDEM_CAT(a, b) TANDEM_CAT2(a, b)
@@ -13,7 +13,7 @@ static void RUN_TASK(const tandem_prefill_task *tk, const float *q, int64_t q_st
                      int64_t H, int64_t KVH, int64_t D, int64_t block_size, int64_t window,
                      float scale, float *buf, int64_t Mp_max) {
     const int64_t G = H / KVH, b = tk->seq, kh = tk->kv_head, cnt = tk->count;
-    const int64_t M = cnt * G, Mp = (M + 15) / 16 * 16;
+    const int64_t M = cnt * G, Mp = (M + VL - 1) / VL * VL;
     const int64_t p_first = pos0[b] + tk->first, khi = p_first + cnt - 1;
     const int64_t klo = (window > 0 && p_first - window + 1 > 0) ? p_first - window + 1 : 0;
     const int64_t row_first = row0[b] + tk->first;
@@ -26,17 +26,17 @@ static void RUN_TASK(const tandem_prefill_task *tk, const float *q, int64_t q_st
 
     /* Q^T [D][Mp], scaled; row m = i * G + g is position p_first + i, head kh * G + g */
     for (int64_t m = 0; m < Mp; ++m) posm[m] = (int32_t)(p_first + (m < M ? m / G : cnt - 1));
-    const __m512 sc = _mm512_set1_ps(scale);
-    for (int64_t m0 = 0; m0 < Mp; m0 += 16)
-        for (int64_t d0 = 0; d0 < D; d0 += 16) {
-            __m512 r[16];
-            for (int i = 0; i < 16; ++i) {
+    const vec sc = V_SET1(scale);
+    for (int64_t m0 = 0; m0 < Mp; m0 += VL)
+        for (int64_t d0 = 0; d0 < D; d0 += VL) {
+            vec r[VL];
+            for (int i = 0; i < VL; ++i) {
                 const int64_t m = m0 + i;
                 const float *src = q + (row_first + m / G) * q_stride + (kh * G + m % G) * D + d0;
-                r[i] = m < M ? _mm512_mul_ps(sc, _mm512_loadu_ps(src)) : _mm512_setzero_ps();
+                r[i] = m < M ? V_MUL(sc, V_LOAD(src)) : V_ZERO();
             }
-            tandem_transpose16(r);
-            for (int k = 0; k < 16; ++k) _mm512_storeu_ps(qt + (d0 + k) * Mp + m0, r[k]);
+            V_TRANSPOSE(r);
+            for (int k = 0; k < VL; ++k) V_STORE(qt + (d0 + k) * Mp + m0, r[k]);
         }
     for (int64_t m = 0; m < Mp; ++m) { mx[m] = -INFINITY; l[m] = 0.f; }
     memset(ot, 0, sizeof(float) * D * Mp);
@@ -52,9 +52,9 @@ static void RUN_TASK(const tandem_prefill_task *tk, const float *q, int64_t q_st
             krow[j] = (const float *)(k_cache + at);
             vrow[j] = (const float *)(v_cache + at);
 #else
-            for (int64_t c = 0; c < D; c += 16) {  /* widened into the thread's buffers */
-                _mm512_storeu_ps(kbuf + j * D + c, KV_LOAD16(k_cache + at + c));
-                _mm512_storeu_ps(vbuf + j * D + c, KV_LOAD16(v_cache + at + c));
+            for (int64_t c = 0; c < D; c += VL) {  /* widened into the thread's buffers */
+                V_STORE(kbuf + j * D + c, KV_LOADV(k_cache + at + c));
+                V_STORE(vbuf + j * D + c, KV_LOADV(v_cache + at + c));
             }
             krow[j] = kbuf + j * D;
             vrow[j] = vbuf + j * D;
@@ -71,56 +71,57 @@ static void RUN_TASK(const tandem_prefill_task *tk, const float *q, int64_t q_st
         /* causal (or window) mask needed: the tile reaches past a row's keys */
         const int masked = k0 + nk - 1 > p_first || (window > 0 && k0 < khi - window + 1);
 
-        /* chunks of up to 64 rows: scores, softmax and values while the chunk is in cache */
-        for (int64_t m0 = 0; m0 < Mp; m0 += 64) {
-            const int mv = Mp - m0 >= 64 ? 4 : (int)((Mp - m0) / 16), rows = 16 * mv;
+        /* chunks of up to MV_MAX * VL rows: scores, softmax and values while the chunk is in
+         * cache */
+        for (int64_t m0 = 0; m0 < Mp; m0 += MV_MAX * VL) {
+            const int mv = Mp - m0 >= MV_MAX * VL ? MV_MAX : (int)((Mp - m0) / VL), rows = VL * mv;
             const int64_t reach = posm[m0 + rows - 1] - k0 + 1, nj = reach < nk ? reach : nk;
             if (nj <= 0) continue;  /* every row of the chunk is before the tile */
             /* the scores' running max per row is kept where nothing is masked or padded */
             float *tm = masked || nk != nkp ? NULL : tmax + m0;
-            for (int64_t m = 0; tm != NULL && m < rows; m += 16)
-                _mm512_storeu_ps(tm + m, _mm512_set1_ps(-INFINITY));
+            for (int64_t m = 0; tm != NULL && m < rows; m += VL) V_STORE(tm + m, V_SET1(-INFINITY));
             for (int64_t j0 = 0; j0 < nj; j0 += JB) {  /* S^T [nj][rows] */
                 const float *const *kj = krow + j0;
                 float *sj = st + j0 * Mp;
                 switch (mv) {
+#if MV_MAX > 2
                     case 4: tandem_scores(kj, qt, sj, tm, D, Mp, m0, 4); break;
                     case 3: tandem_scores(kj, qt, sj, tm, D, Mp, m0, 3); break;
+#endif
                     case 2: tandem_scores(kj, qt, sj, tm, D, Mp, m0, 2); break;
                     default: tandem_scores(kj, qt, sj, tm, D, Mp, m0, 1); break;
                 }
             }
-            if (masked) {
-                const __m512 ninf = _mm512_set1_ps(-INFINITY);
+            if (masked)
                 for (int64_t j = 0; j < nj; ++j) {
-                    const __m512i key = _mm512_set1_epi32((int32_t)(k0 + j));
+                    const int32_t key = (int32_t)(k0 + j);
                     const int64_t past = k0 + j + window;  /* keys before a row at ``past`` fall out */
-                    const __m512i last = _mm512_set1_epi32(past > INT32_MAX ? INT32_MAX : (int32_t)past);
-                    for (int64_t m = m0; m < m0 + rows; m += 16) {
-                        const __m512i pos = _mm512_loadu_si512(posm + m);
-                        __mmask16 ok = _mm512_cmpge_epi32_mask(pos, key);
-                        if (window > 0) ok &= _mm512_cmplt_epi32_mask(pos, last);
+                    const int32_t last = past > INT32_MAX ? INT32_MAX : (int32_t)past;
+                    for (int64_t m = m0; m < m0 + rows; m += VL) {
                         float *s = st + j * Mp + m;
-                        _mm512_storeu_ps(s, _mm512_mask_blend_ps(ok, ninf, _mm512_loadu_ps(s)));
+                        V_STORE(s, v_mask_key(V_LOAD(s), posm + m, key, last, window > 0));
                     }
                 }
-            }
 
             switch (mv) {  /* online softmax: P^T overwrites S^T */
+#if MV_MAX > 2
                 case 4: tandem_softmax(st, mx, l, alpha, tm, nj, Mp, m0, 4); break;
                 case 3: tandem_softmax(st, mx, l, alpha, tm, nj, Mp, m0, 3); break;
+#endif
                 case 2: tandem_softmax(st, mx, l, alpha, tm, nj, Mp, m0, 2); break;
                 default: tandem_softmax(st, mx, l, alpha, tm, nj, Mp, m0, 1); break;
             }
             for (int64_t d0 = 0; d0 < D; ) {  /* O^T = alpha O^T + V^T P^T, DB dims a call */
-                const int ndb = D - d0 >= DB ? DB : (int)(D - d0);  /* D % 16 == 0: 2 or 4 */
+                const int ndb = D - d0 >= DB ? DB : (int)(D - d0);  /* D % 8 == 0: 2 or 4 */
 #define TANDEM_VALUES(MV)                                                                        \
                 (ndb == DB  ? tandem_values(st, vrow, ot, alpha, nj, Mp, m0, d0, MV, DB)         \
                  : ndb == 4 ? tandem_values(st, vrow, ot, alpha, nj, Mp, m0, d0, MV, 4)          \
                             : tandem_values(st, vrow, ot, alpha, nj, Mp, m0, d0, MV, 2))
                 switch (mv) {
+#if MV_MAX > 2
                     case 4: TANDEM_VALUES(4); break;
                     case 3: TANDEM_VALUES(3); break;
+#endif
                     case 2: TANDEM_VALUES(2); break;
                     default: TANDEM_VALUES(1); break;
                 }
@@ -130,15 +131,15 @@ static void RUN_TASK(const tandem_prefill_task *tk, const float *q, int64_t q_st
         }
     }
 
-    for (int64_t m0 = 0; m0 < M; m0 += 16) {  /* out = O / l, transposed back */
-        const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_loadu_ps(l + m0));
-        for (int64_t d0 = 0; d0 < D; d0 += 16) {
-            __m512 r[16];
-            for (int k = 0; k < 16; ++k) r[k] = _mm512_mul_ps(inv, _mm512_loadu_ps(ot + (d0 + k) * Mp + m0));
-            tandem_transpose16(r);
-            for (int64_t i = 0; i < 16 && m0 + i < M; ++i) {
+    for (int64_t m0 = 0; m0 < M; m0 += VL) {  /* out = O / l, transposed back */
+        const vec inv = V_DIV(V_SET1(1.f), V_LOAD(l + m0));
+        for (int64_t d0 = 0; d0 < D; d0 += VL) {
+            vec r[VL];
+            for (int k = 0; k < VL; ++k) r[k] = V_MUL(inv, V_LOAD(ot + (d0 + k) * Mp + m0));
+            V_TRANSPOSE(r);
+            for (int64_t i = 0; i < VL && m0 + i < M; ++i) {
                 const int64_t m = m0 + i;
-                _mm512_storeu_ps(out + ((row_first + m / G) * H + kh * G + m % G) * D + d0, r[i]);
+                V_STORE(out + ((row_first + m / G) * H + kh * G + m % G) * D + d0, r[i]);
             }
         }
     }
@@ -150,7 +151,7 @@ int NAME(const float *q, int64_t q_stride, float *out, const int64_t *row0, cons
          int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t window,
          float scale) {
     const int64_t G = num_heads / num_kv_heads, D = head_dim, QT = tandem_prefill_positions(G);
-    const int64_t Mp_max = (QT * G + 15) / 16 * 16;
+    const int64_t Mp_max = (QT * G + VL - 1) / VL * VL;
     int64_t num_tasks = 0;
     for (int64_t b = 0; b < num_seqs; ++b) num_tasks += num_kv_heads * ((num_queries[b] + QT - 1) / QT);
     tandem_prefill_task *tasks = malloc(sizeof(tandem_prefill_task) * (num_tasks > 0 ? num_tasks : 1));
