@@ -5,12 +5,16 @@ attention backend choosing it for prompt groups."""
 
 from __future__ import annotations
 
+import ctypes
+import platform
 import re
+import shutil
+import subprocess
 
 import pytest
 import torch
 
-from services.engine.model import cpu_kernels
+from services.engine.model import cpu_kernels, kernel_build
 from services.engine.model.attention import AttentionGroup, AttentionMetadata, TorchPagedAttention
 from tests.attention_reference import reference_prefill
 
@@ -51,6 +55,37 @@ def test_paged_prefill_matches_gather_and_sdpa(heads, kv_heads, d, dtype, window
                              window, d ** -0.5)
     torch.testing.assert_close(out[1:-1], torch.cat(ref), atol=2e-5, rtol=1e-4)
     assert out[0].isnan().all() and out[-1].isnan().all()
+
+
+@pytest.fixture(scope="module")
+def avx2(tmp_path_factory) -> cpu_kernels.CpuKernels:
+    """Every kernel source compiled for AVX2 + FMA (x86-64-v3) instead of this CPU."""
+    compiler, march = shutil.which("cc") or shutil.which("gcc"), "x86-64-v3"
+    lib_path = tmp_path_factory.mktemp("build") / f"{march}.so"
+    flags = [f for f in kernel_build.FLAGS if f != "-march=native"] + [f"-march={march}"]
+    sources = [str(kernel_build.CSRC / name) for name in kernel_build.SOURCES]
+    subprocess.run([compiler, *flags, "-o", str(lib_path), *sources, "-lm"], check=True,
+                   capture_output=True, timeout=300)
+    return cpu_kernels.CpuKernels(ctypes.CDLL(str(lib_path)))
+
+
+@pytest.mark.skipif(kernels is None or platform.machine() != "x86_64", reason="x86-64 builds")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_avx2_build_matches_gather_and_sdpa(avx2, dtype):
+    """Built for AVX2 + FMA (x86-64-v3: vectors of 8 lanes) the kernel matches the reference
+    as this CPU's build does, so a host with AVX-512 checks the AVX2 path too."""
+    assert avx2.prefill_supported(40) and not avx2.prefill_supported(36)
+    starts, lens = [0, 37, 5, 0], [150, 64, 1, 17]
+    for heads, kv_heads, d in [(9, 3, 64), (8, 2, 40), (4, 4, 8)]:
+        for window in (None, 23):
+            q, k_cache, v_cache, table, first_rows = _case(heads, kv_heads, d, dtype, 16, starts, lens)
+            out = torch.full_like(q, float("nan"))
+            avx2.paged_prefill(q, out, first_rows, torch.tensor(starts), torch.tensor(lens),
+                               k_cache, v_cache, table, window, d ** -0.5)
+            ref = reference_prefill(q, k_cache, v_cache, table, first_rows.tolist(), starts, lens,
+                                     window, d ** -0.5)
+            torch.testing.assert_close(out[1:-1], torch.cat(ref), atol=2e-5, rtol=1e-4)
+            assert out[0].isnan().all() and out[-1].isnan().all()
 
 
 @needs_kernel
