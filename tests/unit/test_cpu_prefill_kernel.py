@@ -9,7 +9,6 @@ import ctypes
 import platform
 import re
 import shutil
-import subprocess
 
 import pytest
 import torch
@@ -46,13 +45,19 @@ def _case(heads, kv_heads, d, dtype, block_size, starts, lens, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 23, 100])
 def test_paged_prefill_matches_gather_and_sdpa(heads, kv_heads, d, dtype, window):
-    starts, lens = [0, 37, 5, 0], [150, 64, 1, 17]  # whole prompts and later chunks
+    _check_against_reference(kernels, heads, kv_heads, d, dtype, window)
+
+
+def _check_against_reference(kern, heads, kv_heads, d, dtype, window):
+    """``kern``'s prefill of whole prompts and later chunks against gather + SDPA; the rows
+    around them left alone."""
+    starts, lens = [0, 37, 5, 0], [150, 64, 1, 17]
     q, k_cache, v_cache, table, first_rows = _case(heads, kv_heads, d, dtype, 16, starts, lens)
     out = torch.full_like(q, float("nan"))
-    kernels.paged_prefill(q, out, first_rows, torch.tensor(starts), torch.tensor(lens),
-                          k_cache, v_cache, table, window, d ** -0.5)
+    kern.paged_prefill(q, out, first_rows, torch.tensor(starts), torch.tensor(lens),
+                       k_cache, v_cache, table, window, d ** -0.5)
     ref = reference_prefill(q, k_cache, v_cache, table, first_rows.tolist(), starts, lens,
-                             window, d ** -0.5)
+                            window, d ** -0.5)
     torch.testing.assert_close(out[1:-1], torch.cat(ref), atol=2e-5, rtol=1e-4)
     assert out[0].isnan().all() and out[-1].isnan().all()
 
@@ -60,12 +65,8 @@ def test_paged_prefill_matches_gather_and_sdpa(heads, kv_heads, d, dtype, window
 @pytest.fixture(scope="module")
 def avx2(tmp_path_factory) -> cpu_kernels.CpuKernels:
     """Every kernel source compiled for AVX2 + FMA (x86-64-v3) instead of this CPU."""
-    compiler, march = shutil.which("cc") or shutil.which("gcc"), "x86-64-v3"
-    lib_path = tmp_path_factory.mktemp("build") / f"{march}.so"
-    flags = [f for f in kernel_build.FLAGS if f != "-march=native"] + [f"-march={march}"]
-    sources = [str(kernel_build.CSRC / name) for name in kernel_build.SOURCES]
-    subprocess.run([compiler, *flags, "-o", str(lib_path), *sources, "-lm"], check=True,
-                   capture_output=True, timeout=300)
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    lib_path = kernel_build.compile_to(compiler, tmp_path_factory.mktemp("build") / "v3.so", "x86-64-v3")
     return cpu_kernels.CpuKernels(ctypes.CDLL(str(lib_path)))
 
 
@@ -75,17 +76,9 @@ def test_the_avx2_build_matches_gather_and_sdpa(avx2, dtype):
     """Built for AVX2 + FMA (x86-64-v3: vectors of 8 lanes) the kernel matches the reference
     as this CPU's build does, so a host with AVX-512 checks the AVX2 path too."""
     assert avx2.prefill_supported(40) and not avx2.prefill_supported(36)
-    starts, lens = [0, 37, 5, 0], [150, 64, 1, 17]
     for heads, kv_heads, d in [(9, 3, 64), (8, 2, 40), (4, 4, 8)]:
         for window in (None, 23):
-            q, k_cache, v_cache, table, first_rows = _case(heads, kv_heads, d, dtype, 16, starts, lens)
-            out = torch.full_like(q, float("nan"))
-            avx2.paged_prefill(q, out, first_rows, torch.tensor(starts), torch.tensor(lens),
-                               k_cache, v_cache, table, window, d ** -0.5)
-            ref = reference_prefill(q, k_cache, v_cache, table, first_rows.tolist(), starts, lens,
-                                     window, d ** -0.5)
-            torch.testing.assert_close(out[1:-1], torch.cat(ref), atol=2e-5, rtol=1e-4)
-            assert out[0].isnan().all() and out[-1].isnan().all()
+            _check_against_reference(avx2, heads, kv_heads, d, dtype, window)
 
 
 @needs_kernel

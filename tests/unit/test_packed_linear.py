@@ -7,7 +7,6 @@ from __future__ import annotations
 import ctypes
 import platform
 import shutil
-import subprocess
 
 import pytest
 import torch
@@ -84,10 +83,7 @@ def test_it_refuses_what_does_not_fit():
 def _build(tmp_path, march: str) -> packed_linear.PackedKernels:
     """packed_linear.c alone, compiled for ``march`` instead of this CPU."""
     compiler = shutil.which("cc") or shutil.which("gcc")
-    lib_path = tmp_path / f"{march}.so"
-    flags = [f for f in kernel_build.FLAGS if f != "-march=native"] + [f"-march={march}"]
-    subprocess.run([compiler, *flags, "-o", str(lib_path), str(kernel_build.CSRC / "packed_linear.c")],
-                   check=True, capture_output=True, timeout=120)
+    lib_path = kernel_build.compile_to(compiler, tmp_path / f"{march}.so", march, ("packed_linear.c",))
 
     class Lib:  # what PackedKernels binds from the library
         lib = ctypes.CDLL(str(lib_path))

@@ -42,11 +42,19 @@ def build(compiler: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        sources = [str(CSRC / name) for name in SOURCES]
-        subprocess.run([compiler, *FLAGS, "-o", tmp, *sources, "-lm"], check=True,
-                       capture_output=True, text=True, timeout=120)
+        compile_to(compiler, Path(tmp))
         os.replace(tmp, target)  # atomic: concurrent workers never load a half-written file
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    return target
+
+
+def compile_to(compiler: str, target: Path, march: str = "native",
+               sources: tuple[str, ...] = SOURCES) -> Path:
+    """Compiles ``sources`` (of ``csrc/``) into the shared library ``target`` for ``march``
+    (``-march=``; tests build other instruction sets than this CPU's), uncached."""
+    flags = [f if f != "-march=native" else f"-march={march}" for f in FLAGS]
+    subprocess.run([compiler, *flags, "-o", str(target), *(str(CSRC / n) for n in sources), "-lm"],
+                   check=True, capture_output=True, text=True, timeout=300)
     return target
