@@ -9,16 +9,20 @@ from __future__ import annotations
 import logging
 import sys
 
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 from services.common.sampling_params import SamplingParams
 from services.engine.llm import LLM
-from services.engine.model import cpu_features, cpu_kernels, loader
+from services.engine.model import cpu_features, cpu_kernels, loader, packed_linear
 from services.engine.model.cpu_kernels import GEMV_MAX_ROWS
 from services.engine.model.onednn import CpuLinear
 from services.engine.model.quantized import Int8Linear
+from tests.hf_models import write_hf_checkpoint
 
 STEPS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=5)
@@ -47,6 +51,11 @@ def _closeness(low: LLM, full: LLM) -> tuple[float, float]:
 
 
 @pytest.fixture(scope="module")
+def tied_checkpoint(tmp_path_factory, tiny_model_dir) -> Path:
+    return write_hf_checkpoint("qwen2", tmp_path_factory.mktemp("tied") / "qwen2", tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
 def fp32_llm(checkpoint) -> LLM:
     return _llm(checkpoint, dtype="float32")
 
@@ -56,15 +65,32 @@ def test_fp32_keeps_one_weight_copy(fp32_llm):
     assert not any(isinstance(m, nn.Linear) for m in model.modules()), "dense Linear left"
     linears = [m for m in model.modules() if isinstance(m, CpuLinear)]
     assert linears and all(m.weight.dtype == torch.float32 for m in linears)
+    assert not model.config.tie_word_embeddings  # (tied heads: the test below)
     dense_2d = [n for n, p in model.named_parameters() if p.dim() == 2]
     assert dense_2d == ["embed_tokens.weight"]  # the lookup table; projections only in CpuLinear
     table = model.embed_tokens.weight
-    if model.config.tie_word_embeddings:  # the head is the table: stored once, read every step
-        assert model.lm_head.weight.data_ptr() == table.data_ptr() and not model.lm_head.blocked
-        assert model.weight_bytes() == model.weight_bytes(include_embedding=False)
+    assert model.weight_bytes() - model.weight_bytes(include_embedding=False) \
+        == table.numel() * table.element_size()
+
+
+@pytest.mark.parametrize("layout", ["packed", "plain", "blocked"])
+def test_a_tied_head_and_its_table_are_stored_once(tied_checkpoint, layout):
+    """Packed, the lookup reads the head's packed weight; otherwise the head reads the plain
+    table. Either way one copy, read whole by every decode step."""
+    model = _llm(tied_checkpoint, dtype="float32", cpu_weight_layout=layout).engine.runner.model
+    reference = load_file(tied_checkpoint / "model.safetensors")["model.embed_tokens.weight"]
+    table, head = model.embed_tokens.weight, model.lm_head
+    assert model.config.tie_word_embeddings and head.weight.data_ptr() == table.data_ptr()
+    assert model.weight_bytes() == model.weight_bytes(include_embedding=False)
+    assert not [n for n, p in model.named_parameters() if p.dim() == 2 and n != "embed_tokens.weight"]
+    if packed_linear.load() is not None and layout == "packed":
+        assert head.layout == "packed" and not [p for p in model.parameters() if p.dim() == 2]
     else:
-        assert model.weight_bytes() - model.weight_bytes(include_embedding=False) \
-            == table.numel() * table.element_size()
+        assert head.layout == "plain" and table.shape == reference.shape
+    ids = torch.arange(reference.shape[0])
+    assert torch.equal(model.embed_tokens(ids), reference)
+    x = torch.randn(3, model.config.hidden_size)
+    torch.testing.assert_close(head(x), x @ reference.T, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.skipif(not cpu_features.has_native_bf16(), reason="no AVX-512 BF16 / AMX")
@@ -140,10 +166,7 @@ def test_fp32_weights_are_packed_blocked_or_plain_as_asked_and_native_kernels_of
     for model in (off, blocked):  # no native kernels: the packed layout falls back to oneDNN's
         layers = [m for m in model.layers.modules() if isinstance(m, CpuLinear)]
         assert layers and all(m.blocked and m.weight.is_mkldnn and m.native_rows == 0 for m in layers)
-    # a tied head stays the plain table (the GEMV's); the checkpoint's own head is packed
-    tied = on.config.tie_word_embeddings
-    assert on.lm_head.layout == ("plain" if tied else "packed")
-    assert on.lm_head.native_rows == (GEMV_MAX_ROWS if tied else sys.maxsize)
+    assert on.lm_head.layout == "packed" and on.lm_head.native_rows == sys.maxsize
     assert off.lm_head.native_rows == 0
     x = torch.randn(3, on.config.hidden_size)  # the same product every way, to float rounding
     for model in (off, blocked):

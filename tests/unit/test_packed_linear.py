@@ -1,6 +1,7 @@
 """The packed fp32 linear (csrc/packed_linear.c): the product of the plain weight for
 every row count and shape edge, each row's result independent of its batch, on this
-CPU's build and on the AVX2 and portable ones; and the gate|up product fused with SiLU·mul."""
+CPU's build and on the AVX2 and portable ones; the gate|up product fused with SiLU·mul; and
+the embedding lookup in a packed (tied) head."""
 
 from __future__ import annotations
 
@@ -78,6 +79,22 @@ def test_it_refuses_what_does_not_fit():
         kernels.linear(x.double(), packed, b, 40)
     with pytest.raises(ValueError, match="fp32 CPU weights"):
         kernels.pack(w.bfloat16())
+
+
+@pytest.mark.parametrize("vocab", [1, 32, 100])
+def test_an_embedding_reads_the_plain_tables_rows_from_the_packed_weight(vocab):
+    table = torch.randn(vocab, 24, generator=torch.Generator().manual_seed(vocab))
+    embed = packed_linear.PackedEmbedding(packed_linear.load().pack(table), vocab)
+    every = torch.arange(vocab)
+    assert torch.equal(embed(every), table)
+    ids = torch.randint(0, vocab, (3, 5))
+    assert torch.equal(embed(ids), table[ids])  # [B, T] -> [B, T, K]
+    assert embed(every[:0]).shape == (0, 24)
+    for bad in (vocab, -1):  # the padded panel's columns are not rows
+        with pytest.raises(IndexError, match=f"in \\[0, {vocab}\\)"):
+            embed(torch.tensor([0, bad]))
+    with pytest.raises(ValueError, match="packed table"):
+        packed_linear.PackedEmbedding(packed_linear.load().pack(table), vocab + 32)
 
 
 def _build(tmp_path, march: str) -> packed_linear.PackedKernels:

@@ -9,9 +9,10 @@ KV written are bit-identical to the Python path's.
 It runs where every projection is a ``CpuLinear`` on a native kernel (packed fp32
 weights, the default, for any number of rows; or plain weights on the GEMV, up to 16
 rows with fp32 weights and 2 with bf16: oneDNN's blocked layout is opaque to C), the
-layers have no q/k norms and the embedding table is fp32 or bf16. ``ModelRunner`` runs
-a step here when every row is a decode (one token per sequence), at most ``max_rows`` of
-them, with no per-layer callback; other steps keep the Python forward.
+layers have no q/k norms and the embedding table is fp32 or bf16 (or a tied head's packed
+weight). ``ModelRunner`` runs a step here when every row is a decode (one token per
+sequence), at most ``max_rows`` of them, with no per-layer callback; other steps keep the
+Python forward.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from services.engine.model.attention import TorchPagedAttention
 from services.engine.model.cpu_kernels import CpuKernels, head_splits
 from services.engine.model.onednn import CpuLinear
+from services.engine.model.packed_linear import PackedEmbedding
 
 if TYPE_CHECKING:
     from services.engine.model.llama import LlamaModel
@@ -46,7 +48,8 @@ class _Stack(ctypes.Structure):
         "window", "vocab")),
         ("eps", ctypes.c_float), ("scale", ctypes.c_float),
         ("weight_bf16", ctypes.c_int32), ("kv_bf16", ctypes.c_int32),
-        ("weight_packed", ctypes.c_int32), ("embed_bf16", ctypes.c_int32), ("embed", _ptr),
+        ("weight_packed", ctypes.c_int32), ("embed_bf16", ctypes.c_int32),
+        ("embed_packed", ctypes.c_int32), ("embed", _ptr),
         ("cos", _ptr), ("sin", _ptr), ("final_norm", _ptr), ("layers", ctypes.POINTER(_Layer))]
 
 
@@ -76,10 +79,10 @@ class DecodeStack:
         attn = model.attn
         self._stack = _Stack(
             len(layers), cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-            cfg.intermediate_size, 0, attn.sliding_window or 0, table.shape[0], model.norm.eps,
+            cfg.intermediate_size, 0, attn.sliding_window or 0, model.embed_tokens.num_embeddings, model.norm.eps,
             attn.scale, int(layers[0].qkv_proj.weight.dtype == torch.bfloat16), 0,
             int(layers[0].qkv_proj.layout == "packed"), int(table.dtype == torch.bfloat16),
-            table.data_ptr(), model.rope.cos.data_ptr(),
+            int(isinstance(model.embed_tokens, PackedEmbedding)), table.data_ptr(), model.rope.cos.data_ptr(),
             model.rope.sin.data_ptr(), model.norm.weight.data_ptr(), self._layers)
         fn = self._fn = kernels.lib.tandem_decode_stack
         fn.restype = ctypes.c_int
@@ -98,7 +101,7 @@ class DecodeStack:
         kinds = {(lin.weight.dtype, lin.layout) for lin in linears}
         if len(kinds) != 1 or any(lay.q_norm is not None for lay in model.layers):
             return None
-        table = model.embed_tokens.weight
+        table = model.embed_tokens.weight  # [vocab, hidden], or packed (PackedEmbedding)
         if table.dtype not in (torch.float32, torch.bfloat16) or not table.is_contiguous():
             return None
         norms = [model.norm.eps, *(n.eps for lay in model.layers

@@ -14,7 +14,8 @@ Each weight is stored once, in one of three layouts (``--cpu-weight-layout``):
   layout (``_reorder_linear_weight``, an opaque tensor): in bf16 it runs on AMX tiles.
 - **plain**: ``[out, in]`` as loaded; oneDNN, and the native GEMV (``cpu_kernels.gemv``,
   ``csrc/gemv.c``) for decode-sized inputs (up to 16 rows fp32, 2 bf16). A tied LM head
-  is the embedding table, so it stays plain whatever the layout.
+  is the embedding table: packed, the lookup reads the packed head
+  (``packed_linear.PackedEmbedding``); in the other layouts the head reads the plain table.
 
 Activations stay fp32; with bf16 weights the input is rounded to bf16 for the
 product (oneDNN's, or the GEMV's, which widens both to fp32) and the output to bf16,

@@ -7,6 +7,8 @@ of many rows runs at the FMA rate (on par with oneDNN's blocked layout). Each ou
 the same FMA chain over k whatever the batch, so a row's result does not depend on its
 batch. Unlike oneDNN's blocked layout, C can read it, so the decode stack runs on it.
 An MLP's gate|up weight also runs as one call with its SiLU·mul (``gate_up_silu``).
+A tied LM head is packed too, and the embedding lookup reads its rows from the packed
+weight (``PackedEmbedding``): the table is stored once, in the layout the head streams.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import ctypes
 from functools import cache
 
 import torch
+from torch import nn
 
 from services.engine import huge_pages
 from services.engine.model import cpu_features, cpu_kernels
@@ -90,6 +93,30 @@ class PackedKernels:
             self._gate_up_silu(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
                                out.data_ptr(), x.shape[0], n_out // 2, x.shape[1])
         return out
+
+
+class PackedEmbedding(nn.Module):
+    """An embedding table read from a packed weight ``[ceil(V / 32), K, 32]`` (a tied LM
+    head's): row ``n`` is column ``n % 32`` of panel ``n // 32``. A lookup gathers K floats
+    32 apart, a cache line each: ~8 ms for a 4,096-token prompt of SmolLM2-135M on two
+    cores (1.3 ms from a plain table), against a head product that streams the packed
+    weight 1.2-1.7x faster than the plain one on every decode step."""
+
+    def __init__(self, packed: torch.Tensor, num_embeddings: int) -> None:
+        super().__init__()
+        if packed.dim() != 3 or packed.shape[2] != PANEL or num_embeddings > packed.shape[0] * PANEL:
+            raise ValueError(f"a packed table of {num_embeddings} rows, not {tuple(packed.shape)}")
+        self.weight = packed  # the head's tensor, not a copy (and not a parameter of this module)
+        self.num_embeddings = num_embeddings
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids [...]`` int64 -> ``[..., K]`` fp32 rows."""
+        if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < self.num_embeddings):
+            raise IndexError(f"token ids must lie in [0, {self.num_embeddings})")
+        return self.weight[ids // PANEL, :, ids % PANEL]
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.weight.shape[1]}, packed"
 
 
 def has_vector_kernel(flags: frozenset[str]) -> bool:

@@ -18,7 +18,8 @@
  * as CpuLinear rounds them. Supports the layers the Python path has: biases on any
  * projection, GQA, a sliding window; not q/k norms (the caller keeps those in Python).
  *
- *   ids       [M] int64 token ids; embed [vocab, hidden] fp32 or bf16 (the stack's table)
+ *   ids       [M] int64 token ids; embed [vocab, hidden] fp32 or bf16 (the stack's table),
+ *             or a tied head's packed weight [ceil(vocab / 32), hidden, 32] (embed_packed)
  *   x         [M, hidden] fp32 scratch (the residual stream), out [M, hidden] fp32
  *   positions [M] int64 (RoPE), slots [M] int64 (cache slot of each row's K/V)
  *   token_rows, last_pos [M] int64, block_table [M, table_stride] int64: the decode group
@@ -47,8 +48,8 @@ typedef struct {
 typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, inter, block_size, window, vocab;
     float eps, scale;
-    int32_t weight_bf16, kv_bf16, weight_packed, embed_bf16;
-    const void *embed;      /* [vocab, hidden] */
+    int32_t weight_bf16, kv_bf16, weight_packed, embed_bf16, embed_packed;
+    const void *embed;      /* [vocab, hidden], or packed (embed_packed) */
     const float *cos, *sin; /* [positions, D] */
     const float *final_norm;
     const tandem_layer *layers;
@@ -107,6 +108,10 @@ int tandem_decode_stack(const tandem_stack *s, const int64_t *ids, float *x, flo
         if (s->embed_bf16) {
             const uint16_t *row = (const uint16_t *)s->embed + ids[r] * hidden;
             for (int64_t i = 0; i < hidden; ++i) x[r * hidden + i] = tandem_load_bf16(row + i);
+        } else if (s->embed_packed) {  /* column ids[r] % 32 of panel ids[r] / 32 */
+            const float *col = (const float *)s->embed + ids[r] / TANDEM_PACK_WIDTH * hidden * TANDEM_PACK_WIDTH
+                               + ids[r] % TANDEM_PACK_WIDTH;
+            for (int64_t i = 0; i < hidden; ++i) x[r * hidden + i] = col[i * TANDEM_PACK_WIDTH];
         } else {
             memcpy(x + r * hidden, (const float *)s->embed + ids[r] * hidden, (size_t)hidden * sizeof(float));
         }
