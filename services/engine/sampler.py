@@ -237,7 +237,7 @@ class Sampler:
         if any(p.min_p > 0.0 for p in ps):
             min_p = torch.tensor([p.min_p for p in ps], dtype=xr.dtype, device=dev)  # [R]
         if top_k is not None or top_p is not None or min_p is not None:
-            xr = apply_sampling_masks(xr, top_k, top_p, min_p)
+            xr = apply_sampling_masks(xr, top_k, top_p, min_p, self.kernels)
         probs = torch.softmax(xr, dim=-1)  # [R, V]
         keys = [(p.seed, len(batch.output_token_ids[i])) if p.seed is not None else None
                 for i, p in zip(rows, ps)]

@@ -52,7 +52,7 @@ def check_masks(ctx: CheckContext) -> Result:
         on_cpu = sampling_masks.apply_sampling_masks(x.cpu(), k, p)
         differing += int((torch.isinf(got) != torch.isinf(full)).any(dim=-1).sum())
         differing += int((torch.isinf(got).cpu() != torch.isinf(on_cpu)).any(dim=-1).sum())
-        decided += int((~sampling_masks._candidate_mask(x, kk, pp)[1]).sum())
+        decided += int((~sampling_masks._decide_among_candidates(x, kk, pp)[-1]).sum())
     ok = differing == 0 and decided > 0
     return Result("sampling masks", _status(ctx, ok),
                   f"{bsz} rows x {len(cases)} cases, vocab {x.shape[1]}: {decided} decided among "
