@@ -61,14 +61,15 @@ def test_paged_decode_matches_gather_and_sdpa(heads, kv_heads, rows, window, d):
 
 @pytest.mark.parametrize("d,kv_dtype", [(64, torch.float32), (128, torch.bfloat16), (32, torch.float32),
                                          (40, torch.float32)])
-def test_paged_decode_gives_a_row_the_same_bits_in_any_batch(d, kv_dtype):
-    """Alone, a row's kv heads are split over threads; in a batch of four rows a thread
-    or more each task takes a whole row: the sums run in the same order either way, so a
-    sequence's tokens do not depend on what it is batched with."""
+def test_paged_decode_gives_a_row_the_same_bits_in_any_batch(d, kv_dtype, monkeypatch):
+    """Alone on a wide team, a row's kv heads are split over threads; in a batch each task
+    takes a whole row: the sums run in the same order either way, so a sequence's tokens
+    do not depend on what it is batched with."""
     gen = torch.Generator().manual_seed(d)
     heads, kv_heads, bs = 8, 4, 16
     rows = 4 * torch.get_num_threads()
-    assert cpu_kernels.head_splits(1, kv_heads) > 1, "alone, the row's heads are split"
+    assert cpu_kernels._head_splits(1, kv_heads, 8) == kv_heads, "alone on 8 threads: split"
+    assert cpu_kernels._head_splits(1, kv_heads, 2) == 1, "alone on 2: a whole row"
     assert cpu_kernels.head_splits(rows, kv_heads) == 1, "batched, a task is a whole row"
     k_cache = torch.randn(400, bs, kv_heads, d, generator=gen).to(kv_dtype)
     v_cache = torch.randn(400, bs, kv_heads, d, generator=gen).to(kv_dtype)
@@ -77,6 +78,7 @@ def test_paged_decode_gives_a_row_the_same_bits_in_any_batch(d, kv_dtype):
     q = torch.randn(rows, heads, d, generator=gen)
     batched = torch.empty(rows, heads, d)
     kernels.paged_decode(q, batched, torch.arange(rows), k_cache, v_cache, table, positions, None, 0.125)
+    monkeypatch.setattr(cpu_kernels, "head_splits", lambda rows, kv: kv)  # as on a wide team
     for r in range(rows):
         alone = torch.empty(1, heads, d)
         kernels.paged_decode(q[r:r + 1], alone, torch.zeros(1, dtype=torch.long), k_cache, v_cache,
