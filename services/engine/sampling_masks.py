@@ -3,14 +3,16 @@
 Top-k and top-p are decided in the rows' stable descending order (ties by
 token id). A full sort of a 32,000-token row costs ~1.3 ms on a CPU, so the
 decision is first made among a few candidates of each row, a prefix of that
-order: on CPU every token above a floor the native kernel picks per row
-(``csrc/top_candidates.c``: enough of the row's mass for its top-p and tokens
-for its top-k, and one more run of tokens below them, without sorting the row);
-elsewhere the row's ``CANDIDATES`` largest logits (``topk``). The candidates are
-then stably re-sorted, and the decision is exact wherever the row's last
-candidate is not kept: every token outside lies below it, with at least its mass
-ahead. The rows where that does not hold (a flat distribution, a top-k beyond
-the candidates) are decided again over full sorts; the two give the same masks.
+order: on CPU the tokens above a floor the native kernel places per row without
+sorting it (``csrc/top_candidates.c``: enough tokens for the row's top-k, or
+enough of its mass for its top-p); elsewhere the row's ``CANDIDATES`` largest
+logits (``topk``). The candidates are stably re-sorted, and the decision among
+them is the full sort's where every token outside is sure to be dropped: among
+``topk``'s, where no kept token ties the smallest candidate; above the floor,
+where the k-th largest is a candidate or the candidates' mass reaches past
+top-p (every token outside lies below all of them, their mass ahead of it). The
+rows where that does not hold (a flat distribution, a top-k beyond the
+candidates) are decided again over full sorts; the two give the same masks.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ if TYPE_CHECKING:
 # Cumulative mass within this of top_p counts as reaching it (float32 noise).
 _TOP_P_EPS = 1e-6
 CANDIDATES = 1024  # at most this many candidates per row (topk: exactly this many)
-# The native floor asks for this much more mass than top-p, so that the run of tokens
-# below it lies past top-p by more than the rounding between its sums and torch's.
+# The native floor asks for this much more mass than top-p, so that the candidates' mass
+# summed again in torch's arithmetic (the check) still reaches past it.
 _FLOOR_MARGIN = 1e-4
 
 
@@ -156,7 +158,7 @@ def _decide_among_candidates(
         redo = beyond | ((keep & ~(srt > srt[:, -1:])).any(dim=-1) & active)  # [B]
     else:  # the floor: every token outside lies below all candidates, their mass ahead
         exact = on & ~beyond if on is not None else torch.zeros_like(active)  # top-k excludes them
-        if through is not None:  # top-p excludes them (a margin for the rounding of "ahead")
+        if through is not None:  # top-p excludes them (+ eps: the rounding of their mass ahead)
             mass = through.gather(1, (found - 1).clamp(min=0)[:, None]).squeeze(1)  # [B]
             exact |= (p < 1.0) & (mass >= _top_p_threshold(p) + _TOP_P_EPS)
         redo = (found < 0) | (active & ~exact)
