@@ -166,7 +166,8 @@ class Sampler:
 
     def __init__(self, seed: int | None = None, kernels: CpuKernels | None = None) -> None:
         """``seed`` fixes the shared generator used by rows without their own;
-        ``kernels``: the native CPU kernels, for argmaxes over CPU logits."""
+        ``kernels``: the native CPU kernels, for argmaxes over CPU logits and the
+        candidates of top-k/top-p (``sampling_masks``)."""
         self._seed = seed
         self._shared: dict[torch.device, torch.Generator] = {}
         self.kernels = kernels

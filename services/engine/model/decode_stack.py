@@ -79,11 +79,12 @@ class DecodeStack:
         attn = model.attn
         self._stack = _Stack(
             len(layers), cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-            cfg.intermediate_size, 0, attn.sliding_window or 0, model.embed_tokens.num_embeddings, model.norm.eps,
-            attn.scale, int(layers[0].qkv_proj.weight.dtype == torch.bfloat16), 0,
+            cfg.intermediate_size, 0, attn.sliding_window or 0, model.embed_tokens.num_embeddings,
+            model.norm.eps, attn.scale, int(layers[0].qkv_proj.weight.dtype == torch.bfloat16), 0,
             int(layers[0].qkv_proj.layout == "packed"), int(table.dtype == torch.bfloat16),
-            int(isinstance(model.embed_tokens, PackedEmbedding)), table.data_ptr(), model.rope.cos.data_ptr(),
-            model.rope.sin.data_ptr(), model.norm.weight.data_ptr(), self._layers)
+            int(isinstance(model.embed_tokens, PackedEmbedding)), table.data_ptr(),
+            model.rope.cos.data_ptr(), model.rope.sin.data_ptr(), model.norm.weight.data_ptr(),
+            self._layers)
         fn = self._fn = kernels.lib.tandem_decode_stack
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.POINTER(_Stack), _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr,

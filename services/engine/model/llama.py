@@ -105,8 +105,7 @@ class LlamaModel(nn.Module):
         table.data = table.data.to(weight_dtype)
         if self.lm_head is not None:
             return
-        packable = native and packed_linear.load() is not None
-        if onednn.storage_layout(layout, weight_dtype, packable) == "packed":
+        if onednn.storage_layout(layout, weight_dtype, native) == "packed":
             self.lm_head = onednn.CpuLinear(table, None, weight_dtype, native, "packed")
             # the plain table is dropped: stored once, packed
             self.embed_tokens = packed_linear.PackedEmbedding(self.lm_head.weight, table.shape[0])

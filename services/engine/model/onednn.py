@@ -56,11 +56,10 @@ class CpuLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         plain = weight.detach().to(dtype).contiguous()  # no copy when ``weight`` already is one
-        packer = packed_linear.load() if native else None
-        self.layout = "plain" if shared else storage_layout(layout, dtype, packer is not None)
+        self.layout = "plain" if shared else storage_layout(layout, dtype, native)
         if self.layout == "packed":
-            self.weight = packer.pack(plain)  # [ceil(out / 32), in, 32]
-            self.packed = packer
+            self.packed = packed_linear.load()
+            self.weight = self.packed.pack(plain)  # [ceil(out / 32), in, 32]
         else:  # [out, in]: plain, or oneDNN's blocked layout (an opaque tensor)
             self.weight = torch.ops.mkldnn._reorder_linear_weight(plain, None) \
                 if self.layout == "blocked" else plain if shared else huge_pages.copy_of(plain)
@@ -115,14 +114,14 @@ class CpuLinear(nn.Module):
                f"dtype={self.weight.dtype}, layout={self.layout}"
 
 
-def storage_layout(layout: str, dtype: torch.dtype, packable: bool) -> str:
+def storage_layout(layout: str, dtype: torch.dtype, native: bool) -> str:
     """The layout a weight of ``dtype`` is stored in when ``layout`` (blocked | plain |
-    packed) is asked for: packed is fp32 only and needs the native kernel on a CPU with
-    AVX-512 or AVX2 + FMA (``packable``: ``packed_linear.load()``); otherwise it falls
+    packed) is asked for: packed is fp32 only and needs the native kernel (``native``)
+    on a CPU with AVX-512 or AVX2 + FMA (``packed_linear.load()``); otherwise it falls
     back to blocked (bf16 weights: oneDNN on AMX)."""
     if layout not in LAYOUTS:
         raise ValueError(f"CPU weight layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
-    if layout == "packed" and not (dtype == torch.float32 and packable):
+    if layout == "packed" and not (dtype == torch.float32 and native and packed_linear.load() is not None):
         return "blocked"
     return layout
 

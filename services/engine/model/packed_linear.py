@@ -98,9 +98,9 @@ class PackedKernels:
 class PackedEmbedding(nn.Module):
     """An embedding table read from a packed weight ``[ceil(V / 32), K, 32]`` (a tied LM
     head's): row ``n`` is column ``n % 32`` of panel ``n // 32``. A lookup gathers K floats
-    32 apart, a cache line each: ~8 ms for a 4,096-token prompt of SmolLM2-135M on two
-    cores (1.3 ms from a plain table), against a head product that streams the packed
-    weight 1.2-1.7x faster than the plain one on every decode step."""
+    32 apart, a cache line each: 9.8 ms for a 4,096-token prompt of SmolLM2-135M on two
+    cores (1.3 ms from a plain table), against a head product 1.1-1.7x as fast as on the
+    plain table at 1-256 rows (services/bench/RESULTS.md)."""
 
     def __init__(self, packed: torch.Tensor, num_embeddings: int) -> None:
         super().__init__()
