@@ -34,16 +34,18 @@ def _reference_decode(q, k_cache, v_cache, table, positions, window, scale):
 
 
 # head sizes: 64 and 128 compile to their own code, 32 runs the generic vector path,
-# 40 the scalar one
-@pytest.mark.parametrize("heads,kv_heads,rows,window,d", [
-    (8, 4, 64, None, 32), (4, 4, 3, None, 64), (8, 2, 1, None, 128), (16, 4, 5, 20, 64),
-    (6, 2, 40, 7, 40), (9, 3, 7, None, 64), (4, 2, 2, None, 128)])
-def test_paged_decode_matches_gather_and_sdpa(heads, kv_heads, rows, window, d):
+# 40 the scalar one; rows past 256 keys are attended in chunks (alone, by several threads)
+@pytest.mark.parametrize("heads,kv_heads,rows,window,d,max_pos", [
+    (8, 4, 64, None, 32, 90), (4, 4, 3, None, 64, 90), (8, 2, 1, None, 128, 90),
+    (16, 4, 5, 20, 64, 90), (6, 2, 40, 7, 40, 90), (9, 3, 7, None, 64, 90),
+    (4, 2, 2, None, 128, 90), (9, 3, 1, None, 64, 3000), (8, 4, 6, None, 32, 1500),
+    (4, 2, 3, 700, 40, 2000), (8, 2, 1, 300, 128, 1200)])
+def test_paged_decode_matches_gather_and_sdpa(heads, kv_heads, rows, window, d, max_pos):
     gen = torch.Generator().manual_seed(rows)
-    bs, num_blocks = 8, 1000
+    bs, num_blocks = 8, 3000
     k_cache = torch.randn(num_blocks, bs, kv_heads, d, generator=gen)
     v_cache = torch.randn(num_blocks, bs, kv_heads, d, generator=gen)
-    positions = torch.randint(0, 90, (rows,), generator=gen)
+    positions = torch.randint(max_pos // 2, max_pos, (rows,), generator=gen)
     max_blocks = int(positions.max()) // bs + 1
     table = torch.randperm(num_blocks, generator=gen)[:rows * max_blocks].view(rows, max_blocks)
     # q rows strided, as views of a fused qkv output; decode rows scattered in the batch
@@ -62,9 +64,10 @@ def test_paged_decode_matches_gather_and_sdpa(heads, kv_heads, rows, window, d):
 @pytest.mark.parametrize("d,kv_dtype", [(64, torch.float32), (128, torch.bfloat16), (32, torch.float32),
                                          (40, torch.float32)])
 def test_paged_decode_gives_a_row_the_same_bits_in_any_batch(d, kv_dtype, monkeypatch):
-    """Alone on a wide team, a row's kv heads are split over threads; in a batch each task
-    takes a whole row: the sums run in the same order either way, so a sequence's tokens
-    do not depend on what it is batched with."""
+    """Alone, a long row's key chunks go to separate tasks, and on a wide team its kv heads
+    are split over threads too; in a batch a task takes a whole row: the sums run in the
+    same order every way, so a sequence's tokens do not depend on what it is batched with
+    or on the threads."""
     gen = torch.Generator().manual_seed(d)
     heads, kv_heads, bs = 8, 4, 16
     rows = 4 * torch.get_num_threads()
@@ -73,17 +76,23 @@ def test_paged_decode_gives_a_row_the_same_bits_in_any_batch(d, kv_dtype, monkey
     assert cpu_kernels.head_splits(rows, kv_heads) == 1, "batched, a task is a whole row"
     k_cache = torch.randn(400, bs, kv_heads, d, generator=gen).to(kv_dtype)
     v_cache = torch.randn(400, bs, kv_heads, d, generator=gen).to(kv_dtype)
-    positions = torch.randint(0, 300, (rows,), generator=gen)
-    table = torch.randint(0, 400, (rows, 19), generator=gen)
+    positions = torch.randint(0, 1200, (rows,), generator=gen)  # 1-5 chunks of keys
+    table = torch.randint(0, 400, (rows, 75), generator=gen)
     q = torch.randn(rows, heads, d, generator=gen)
     batched = torch.empty(rows, heads, d)
     kernels.paged_decode(q, batched, torch.arange(rows), k_cache, v_cache, table, positions, None, 0.125)
-    monkeypatch.setattr(cpu_kernels, "head_splits", lambda rows, kv: kv)  # as on a wide team
+    threads = torch.get_num_threads()
     for r in range(rows):
-        alone = torch.empty(1, heads, d)
-        kernels.paged_decode(q[r:r + 1], alone, torch.zeros(1, dtype=torch.long), k_cache, v_cache,
-                             table[r:r + 1], positions[r:r + 1], None, 0.125)
-        assert torch.equal(alone[0], batched[r]), f"row {r}"
+        for team, splits in ((threads, 1), (1, 1), (threads, kv_heads)):  # the last as on a wide team
+            monkeypatch.setattr(cpu_kernels, "head_splits", lambda rows, kv: splits)
+            torch.set_num_threads(team)
+            try:
+                alone = torch.empty(1, heads, d)
+                kernels.paged_decode(q[r:r + 1], alone, torch.zeros(1, dtype=torch.long), k_cache,
+                                     v_cache, table[r:r + 1], positions[r:r + 1], None, 0.125)
+            finally:
+                torch.set_num_threads(threads)
+            assert torch.equal(alone[0], batched[r]), f"row {r}, {team} threads, {splits} splits"
 
 
 def test_paged_decode_rejects_wrong_dtypes_and_layouts():

@@ -261,7 +261,8 @@ def head_splits(num_rows: int, kv_heads: int) -> int:
     row, 1.05-1.42x at 2-6 rows (128-3,000 tokens, SmolLM2 and the bench preset, the
     policies alternating step by step). So heads are split only where whole rows would
     leave most threads idle (fewer rows than half the threads), into the fewest pieces
-    that give each thread a task."""
+    that give each thread a task. (A long row's keys are split too, in chunks the kernel
+    chooses from the row's length alone: see KEY_CHUNK in ``csrc/paged_decode.c``.)"""
     return _head_splits(num_rows, kv_heads, torch.get_num_threads())
 
 

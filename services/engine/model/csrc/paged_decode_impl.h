@@ -3,10 +3,9 @@
  * pointer -> float) defined. See paged_decode.c. */
 #define TANDEM_CAT2(a, b) a##b
 #define TANDEM_CAT(a, b) TANDEM_CAT2(a, b)
-#define TASK TANDEM_CAT(NAME, _task)
+#define CHUNK TANDEM_CAT(NAME, _chunk)
 #define PREFETCH_SPAN TANDEM_CAT(NAME, _prefetch_span)
 #define ENTER_BLOCK TANDEM_CAT(NAME, _enter_block)
-#define FIRST_KEY TANDEM_CAT(NAME, _first_key)
 
 #define PREFETCH_BLOCKS 2 /* blocks a task prefetches ahead of the one it reads */
 
@@ -32,38 +31,33 @@ static inline void ENTER_BLOCK(const KV_T *cache, const int64_t *table, int64_t 
     *next = blk + PREFETCH_BLOCKS <= last_blk ? cache + table[blk + PREFETCH_BLOCKS] * block_stride : NULL;
 }
 
-/* The first key a query at ``pos`` attends: 0, or the window's start. */
-static inline int64_t FIRST_KEY(int64_t pos, int64_t window) {
-    return (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
-}
-
 /* Head sizes whose keys the AVX-512 path holds in registers (16 floats a vector). */
 #define MAX_VECTORS 16
 #define VECTOR_HEAD(D) ((D) % 16 == 0 && (D) <= 16 * MAX_VECTORS)
 
-/* One task: row r's query heads of kv heads kh0 .. kh0 + kvh_per_task - 1 against its keys.
- * Inlined into a parallel region of its own per head size (NAME below), where ``D`` is a
- * literal: GCC outlines a parallel region before it inlines, so a region in a function
- * that only receives ``D`` would run every loop over D at run time, its key in memory.
- * ``scores`` holds hpt * n floats, ``acc`` hpt * D. */
-static inline __attribute__((always_inline)) void TASK(
+/* Row r's query heads of kv heads kh0 .. kh0 + kvh_per_task - 1 against ``n`` of its keys
+ * from key ``first``, prefetching on up to block ``last_blk`` (the end of the task's keys).
+ * With ``partial`` NULL those are all the row's keys and this writes the normalized output;
+ * otherwise they are a chunk, and this writes its partial softmax there (PARTIAL_*) for
+ * tandem_merge_chunks. Inlined into a parallel region of its own per head size (NAME below),
+ * where ``D`` is a literal: GCC outlines a parallel region before it inlines, so a region in
+ * a function that only receives ``D`` would run every loop over D at run time, its key in
+ * memory. ``scores`` holds hpt * n floats, ``acc`` hpt * D. */
+static inline __attribute__((always_inline)) void CHUNK(
         const float *q, int64_t q_stride, float *out, const int64_t *rows, const KV_T *k_cache,
         const KV_T *v_cache, const int64_t *block_table, int64_t table_stride,
-        const int64_t *positions, int64_t num_heads, int64_t num_kv_heads, const int64_t D,
-        int64_t block_size, int64_t window, float scale, int64_t head_splits, int64_t task,
-        float *scores, float *acc) {
+        int64_t num_heads, int64_t num_kv_heads, const int64_t D, int64_t block_size,
+        float scale, int64_t head_splits, int64_t r, int64_t split, int64_t first, int64_t n,
+        int64_t last_blk, float *partial, float *scores, float *acc) {
     const int64_t G = num_heads / num_kv_heads, KVH = num_kv_heads;
     const int64_t kvh_per_task = KVH / head_splits, hpt = kvh_per_task * G, span = kvh_per_task * D;
     const int64_t block_stride = block_size * KVH * D;
-    const int64_t r = task / head_splits, kh0 = (task % head_splits) * kvh_per_task;
-    const int64_t pos = positions[r];
-    const int64_t first = FIRST_KEY(pos, window);
-    const int64_t n = pos - first + 1, last_blk = pos / block_size;
+    const int64_t kh0 = split * kvh_per_task;
     const int64_t *table = block_table + r * table_stride;
     const KV_T *kbase = NULL, *vbase = NULL, *knext = NULL, *vnext = NULL;
     const float *qr = q + rows[r] * q_stride + kh0 * G * D;
     float *o = out + (rows[r] * num_heads + kh0 * G) * D;
-    /* the blocks no earlier key prefetches: the task's first PREFETCH_BLOCKS of K and V */
+    /* the blocks no earlier key prefetches: the chunk's first PREFETCH_BLOCKS of K and V */
     for (int64_t b = first / block_size; b < first / block_size + PREFETCH_BLOCKS && b <= last_blk; ++b)
         for (int64_t off = 0; off < block_size; ++off) {
             PREFETCH_SPAN(k_cache + table[b] * block_stride, (off * KVH + kh0) * D, span);
@@ -110,6 +104,11 @@ static inline __attribute__((always_inline)) void TASK(
         for (int64_t j = 0; j < n; ++j) sh[j] = tandem_expf(sh[j] - m);
 #pragma omp simd reduction(+ : total)
         for (int64_t j = 0; j < n; ++j) total += sh[j];
+        if (partial != NULL) {  /* a chunk: its exps stay unnormalized */
+            partial[PARTIAL_MAX(hpt, h)] = m;
+            partial[PARTIAL_SUM(hpt, h)] = total;
+            continue;
+        }
         const float inv = 1.f / total;
 #pragma omp simd
         for (int64_t j = 0; j < n; ++j) sh[j] *= inv;
@@ -132,33 +131,46 @@ static inline __attribute__((always_inline)) void TASK(
             }
         }
     }
-    memcpy(o, acc, sizeof(float) * hpt * D);
+    memcpy(partial != NULL ? partial + PARTIAL_ACC(hpt, 0, D) : o, acc, sizeof(float) * hpt * D);
 }
 
-/* Every (row, kv-head split) task over a team of threads, ``D_ARG`` the head size (a
- * literal in the common cases); each thread's scratch grows to its largest task. */
+/* Every task of ``plan`` over a team of threads, a task's chunks one after another, then
+ * every chunked row's merge; ``D_ARG`` the head size (a literal in the common cases); each
+ * thread's scratch grows to its longest chunk. */
 #define PARALLEL_TASKS(D_ARG)                                                                   \
     do {                                                                                        \
-        _Pragma("omp parallel num_threads(tandem_team(tasks)) reduction(| : failed)")           \
+        _Pragma("omp parallel num_threads(tandem_team(plan.num_tasks)) reduction(| : failed)")  \
         {                                                                                       \
             float *scores = NULL, *acc = malloc(sizeof(float) * hpt * (D_ARG));                 \
             int64_t cap = 0;                                                                    \
             if (acc == NULL) failed = 1;                                                        \
             _Pragma("omp for schedule(dynamic, 1)")                                             \
-            for (int64_t task = 0; task < tasks; ++task) {                                      \
-                if (failed) continue;                                                           \
-                const int64_t pos = positions[task / head_splits];                              \
-                const int64_t need = hpt * (pos - FIRST_KEY(pos, window) + 1);                  \
-                if (need > cap) {                                                               \
-                    float *grown = realloc(scores, sizeof(float) * need);                       \
-                    if (grown == NULL) { failed = 1; continue; }                                \
-                    scores = grown;                                                             \
-                    cap = need;                                                                 \
+            for (int64_t i = 0; i < plan.num_tasks; ++i) {                                      \
+                const tandem_decode_task *t = plan.tasks + i;                                   \
+                const tandem_decode_row *row = plan.rows + t->row;                              \
+                const int64_t end = row->first + (t->chunk0 + t->chunks) * row->size;           \
+                const int64_t last_blk = ((end < row->end ? end : row->end) - 1) / block_size;  \
+                if (!failed && hpt * row->size > cap) {                                         \
+                    float *grown = realloc(scores, sizeof(float) * hpt * row->size);            \
+                    if (grown == NULL) failed = 1;                                              \
+                    else { scores = grown; cap = hpt * row->size; }                             \
                 }                                                                               \
-                TASK(q, q_stride, out, rows, k_cache, v_cache, block_table, table_stride,      \
-                     positions, num_heads, num_kv_heads, (D_ARG), block_size, window, scale,    \
-                     head_splits, task, scores, acc);                                           \
+                for (int64_t c = t->chunk0; !failed && c < t->chunk0 + t->chunks; ++c) {        \
+                    const int64_t first = row->first + c * row->size;                           \
+                    float *partial = row->slot < 0 ? NULL : plan.partials                       \
+                        + (row->slot + c * head_splits + t->split) * PARTIAL_FLOATS(hpt, D_ARG); \
+                    CHUNK(q, q_stride, out, rows, k_cache, v_cache, block_table, table_stride, \
+                          num_heads, num_kv_heads, (D_ARG), block_size, scale, head_splits,     \
+                          t->row, t->split, first,                                              \
+                          row->end - first < row->size ? row->end - first : row->size,          \
+                          last_blk, partial, scores, acc);                                      \
+                }                                                                               \
             }                                                                                   \
+            _Pragma("omp for schedule(dynamic, 1)")                                             \
+            for (int64_t r = 0; r < num_rows; ++r)                                              \
+                if (!failed && plan.rows[r].slot >= 0)                                          \
+                    tandem_merge_chunks(&plan, r, hpt, (D_ARG),                                 \
+                                        out + rows[r] * num_heads * (D_ARG));                   \
             free(scores);                                                                       \
             free(acc);                                                                          \
         }                                                                                       \
@@ -170,20 +182,23 @@ int NAME(const float *q, int64_t q_stride, float *out, const int64_t *rows,
          int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t window,
          float scale, int64_t head_splits) {
     const int64_t hpt = num_kv_heads / head_splits * (num_heads / num_kv_heads);
-    const int64_t tasks = num_rows * head_splits;
+    tandem_decode_plan plan;
+    if (tandem_plan_decode(positions, num_rows, window, block_size, head_splits,
+                           PARTIAL_FLOATS(hpt, head_dim), &plan) != 0)
+        return -1;
     int failed = 0;
     switch (head_dim) {
         case 64: PARALLEL_TASKS(64); break;
         case 128: PARALLEL_TASKS(128); break;
         default: PARALLEL_TASKS(head_dim); break;
     }
+    tandem_free_decode_plan(&plan);
     return failed ? -1 : 0;
 }
 #undef PARALLEL_TASKS
 #undef PREFETCH_BLOCKS
-#undef TASK
+#undef CHUNK
 #undef PREFETCH_SPAN
 #undef ENTER_BLOCK
-#undef FIRST_KEY
 #undef MAX_VECTORS
 #undef VECTOR_HEAD
