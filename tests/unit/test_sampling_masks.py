@@ -54,6 +54,7 @@ def test_candidate_masks_equal_full_sort_masks(monkeypatch, kernels, seed, candi
         for k, p in ((top_k[rows], None), (None, top_p[rows]), (top_k[rows], top_p[rows])):
             want = _full_sort(monkeypatch, x[rows], k, p)
             monkeypatch.setattr(sampling_masks, "CANDIDATES", candidates)
+            monkeypatch.setattr(sampling_masks, "WIDE_CANDIDATES", 4 * candidates)
             *_, redo = sampling_masks._decide_among_candidates(
                 x[rows], None if k is None else k.clamp(1, vocab), p, kernels)
             decided += int((~redo).sum())
@@ -114,3 +115,26 @@ def test_floor_masks_equal_full_sort_masks_at_a_real_vocabulary(monkeypatch, ker
         *_, redo = sampling_masks._decide_among_candidates(x, kk, pp, kernels)
         decided += int((~redo).sum())
     assert decided >= len(x)
+
+
+def test_rows_too_flat_for_the_first_candidates_are_decided_among_more(monkeypatch):
+    """Top-p over flat rows needs thousands of tokens: the native floor's second try takes
+    them without sorting the whole row, and its masks are the full sort's."""
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        pytest.skip("no C compiler on this machine")
+    g = torch.Generator().manual_seed(0)
+    scales = torch.tensor([3.0, 2.5, 8.0, 1.0, 3.0])  # top-p 0.9: ~2,000, ~5,500, few, ~20,000+
+    x = torch.randn(len(scales), 49152, generator=g) * scales[:, None]
+    x[4] = (x[4] * 2).round() / 2  # ties at every boundary
+    p = torch.full((len(x),), 0.9)
+    k = torch.tensor([49152, 49152, 49152, 49152, 3000])  # row 4: a top-k past the first try
+    for kk, pp in ((None, p), (k, p), (k, None)):
+        want = _full_sort(monkeypatch, x, kk, pp)
+        sorted_rows = []
+        full_sort = sampling_masks._full_sort_mask
+        monkeypatch.setattr(sampling_masks, "_full_sort_mask",
+                            lambda rows, *a: sorted_rows.append(len(rows)) or full_sort(rows, *a))
+        assert torch.equal(apply_sampling_masks(x, kk, pp, kernels=kernels), want)
+        monkeypatch.undo()
+        assert sum(sorted_rows) <= (1 if pp is not None else 0), "only the flattest row sorted whole"
