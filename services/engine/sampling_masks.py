@@ -137,11 +137,10 @@ def _decide_among_candidates(
         kernels: CpuKernels | None = None, cap: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Top-k and top-p decided among each row's candidates, at most ``cap`` of them
-    (default ``CANDIDATES``; see
-    the module docstring): [N] the kept tokens as indices into the flattened ``logits``
-    [B, V] (contiguous), [B] bool the rows with a top-k or top-p, and [B] bool the rows
-    where the candidates' decision is not exact (to decide again); None when the
-    vocabulary is no larger than ``cap``."""
+    (default ``CANDIDATES``; see the module docstring): [N] the kept tokens as indices
+    into the flattened ``logits`` [B, V] (contiguous), [B] bool the rows with a top-k or
+    top-p, and [B] bool the rows where the candidates' decision is not exact (to decide
+    again); None when the vocabulary is no larger than ``cap``."""
     bsz, vocab = logits.shape
     c = CANDIDATES if cap is None else cap
     if vocab <= c:
