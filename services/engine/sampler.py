@@ -84,10 +84,20 @@ def seeded_uniform(seed: int, index: int) -> float:
     return (noise_key(seed, index) >> 10) * 2.0 ** -53
 
 
-def draw_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def draw_from(probs: torch.Tensor, u: torch.Tensor, kernels: CpuKernels | None = None
+              ) -> torch.Tensor:
     """Inverse-CDF draws: ``probs [R, V]`` (rows need not sum to 1), ``u [R]`` float64
-    in [0, 1) -> ``[R]`` long, the first token whose cumulative mass exceeds
-    ``u * total``."""
+    in [0, 1) -> ``[R]`` long, the first token whose float64 cumulative mass exceeds
+    ``u * total``. ``kernels``: the native CPU kernels, which draw from contiguous fp32
+    CPU rows with the same sums in the same order, skipping the zeros (the same tokens,
+    sooner); rows whose total is not finite and positive are drawn here."""
+    if kernels is not None and probs.device.type == "cpu" and probs.dtype == torch.float32 \
+            and probs.dim() == 2 and probs.shape[1] > 0 and probs.is_contiguous():
+        tokens = kernels.inverse_cdf(probs, u.to(torch.float64).contiguous())  # [R]
+        undecided = tokens < 0  # [R]
+        if bool(undecided.any()):
+            tokens[undecided] = draw_from(probs[undecided], u[undecided])
+        return tokens
     cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # [R, V]
     target = (u.to(cdf.device) * cdf[:, -1])[:, None]  # [R, 1]
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
@@ -166,8 +176,8 @@ class Sampler:
 
     def __init__(self, seed: int | None = None, kernels: CpuKernels | None = None) -> None:
         """``seed`` fixes the shared generator used by rows without their own;
-        ``kernels``: the native CPU kernels, for argmaxes over CPU logits and the
-        candidates of top-k/top-p (``sampling_masks``)."""
+        ``kernels``: the native CPU kernels, for argmaxes over CPU logits, the candidates
+        of top-k/top-p (``sampling_masks``) and the draws (``draw_from``)."""
         self._seed = seed
         self._shared: dict[torch.device, torch.Generator] = {}
         self.kernels = kernels
@@ -242,7 +252,7 @@ class Sampler:
         probs = torch.softmax(xr, dim=-1)  # [R, V]
         keys = [(p.seed, len(batch.output_token_ids[i])) if p.seed is not None else None
                 for i, p in zip(rows, ps)]
-        return draw_from(probs, self._uniforms(keys, dev))  # [R]
+        return draw_from(probs, self._uniforms(keys, dev), self.kernels)  # [R]
 
     def _uniforms(self, keys: list[tuple[int, int] | None], dev: torch.device) -> torch.Tensor:
         """``[R]`` float64 draws in [0, 1): keyed by (seed, output index) per seeded row,

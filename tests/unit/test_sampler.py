@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from services.common.sampling_params import SamplingParams
+from services.engine.model import cpu_kernels
 from services.engine.sampler import (
     Sampler,
     SamplingBatch,
@@ -350,13 +351,49 @@ def test_seeded_uniform_reproducible_and_in_range():
     assert seeded_uniform(2**64 - 1, 2**40) < 1.0
 
 
+@pytest.fixture(params=["torch", "native"])
+def draw_kernels(request):
+    """How ``draw_from`` draws: torch's float64 cumsum, or the native kernel (CPU)."""
+    if request.param == "torch":
+        return None
+    if cpu_kernels.load() is None:
+        pytest.skip("no C compiler on this machine")
+    return cpu_kernels.load()
+
+
 @pytest.mark.parametrize("scale", [1.0, 3.0])  # rows need not sum to 1
-def test_draw_from_takes_the_interval_u_falls_in_never_an_empty_one(scale):
+def test_draw_from_takes_the_interval_u_falls_in_never_an_empty_one(scale, draw_kernels):
     probs = torch.tensor([0.0, 0.25, 0.0, 0.0, 0.75, 0.0]) * scale  # [V]
     cases = {0.0: 1, 0.2499: 1, 0.25: 4, 0.9999999: 4, float(1 - 2.0 ** -53): 4}
     u = torch.tensor(list(cases), dtype=torch.float64)
-    got = draw_from(probs.expand(len(cases), -1), u).tolist()
+    got = draw_from(probs.expand(len(cases), -1).contiguous(), u, draw_kernels).tolist()
     assert got == list(cases.values())
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_native_draws_are_torchs_draws(seed):
+    """The native inverse CDF sums in torch's order and skips only zeros: the same token
+    for every row, masked or flat, tiny or huge masses, u anywhere in [0, 1); rows with no
+    finite positive total are drawn by torch."""
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        pytest.skip("no C compiler on this machine")
+    g = torch.Generator().manual_seed(seed)
+    probs = torch.softmax(torch.randn(64, 5000, generator=g) * 3, dim=-1)  # [R, V]
+    probs[0::4] *= torch.rand(16, 5000, generator=g) < 0.02  # masked: mostly zeros
+    probs[1::8] = probs[1::8] * 1e-30  # subnormal-scale masses
+    probs[2::8] = (probs[2::8] * 64).round() / 64  # ties, and zeros
+    probs[3::16] = 1e30  # huge and flat
+    probs[5] = 0.0  # nothing to draw
+    probs[7, 100] = float("nan")
+    probs[11, 7] = float("inf")
+    u = torch.rand(64, generator=g, dtype=torch.float64)
+    u[::9] = 0.0
+    u[1::9] = 1 - 2.0 ** -53
+    want = draw_from(probs, u)
+    assert torch.equal(kernels.inverse_cdf(probs[[0, 1, 2]], u[[0, 1, 2]]), want[[0, 1, 2]])
+    assert kernels.inverse_cdf(probs[[5, 7, 11]], u[[5, 7, 11]]).tolist() == [-1, -1, -1]
+    assert torch.equal(draw_from(probs, u, kernels), want)
 
 
 def test_shared_seed_reproducible_and_half_precision_input():

@@ -74,6 +74,9 @@ class CpuKernels:
         self._argmax = lib.tandem_argmax_f32
         self._argmax.restype = None
         self._argmax.argtypes = [_ptr, _i64, _i64, _ptr]
+        self._inverse_cdf = lib.tandem_inverse_cdf_f32
+        self._inverse_cdf.restype = None
+        self._inverse_cdf.argtypes = [_ptr, _i64, _i64, _ptr, _ptr]
 
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> torch.Tensor:
@@ -207,6 +210,21 @@ class CpuKernels:
             raise ValueError(f"argmax needs fp32 rows [R, V] with V >= 1, not {tuple(x.shape)}")
         out = torch.empty(x.shape[0], dtype=torch.long)
         self._argmax(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+        return out
+
+    def inverse_cdf(self, probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """``probs [R, V]`` fp32 (rows need not sum to 1), ``u [R]`` float64 in [0, 1) ->
+        ``[R]`` int64: per row the first token whose float64 cumulative mass exceeds
+        ``u * total`` (``sampler.draw_from``'s draw, bit for bit), or -1 where the total
+        is not finite and positive."""
+        _check_f32(probs)
+        if probs.dim() != 2 or probs.shape[1] == 0 or u.shape != (probs.shape[0],) \
+                or u.dtype != torch.float64 or not u.is_contiguous() or u.device.type != "cpu":
+            raise ValueError(f"inverse_cdf needs fp32 rows [R, V] and float64 u [R], not "
+                             f"{tuple(probs.shape)} and {u.dtype} {tuple(u.shape)}")
+        out = torch.empty(probs.shape[0], dtype=torch.long)
+        self._inverse_cdf(probs.data_ptr(), probs.shape[0], probs.shape[1], u.data_ptr(),
+                          out.data_ptr())
         return out
 
     def int8_linear(self, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
