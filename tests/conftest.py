@@ -65,3 +65,16 @@ def real_model_reference(real_model_gguf) -> dict:
     from tests.real_model import transformers_reference
 
     return transformers_reference(real_model_gguf)
+
+
+@pytest.fixture(params=["torch", "native"])
+def sampling_kernels(request):
+    """Sampling's two ways: None (torch, any device) or the native CPU kernels (skipped where
+    they do not build), for the tests that require both to agree."""
+    if request.param == "torch":
+        return None
+    from services.engine.model import cpu_kernels
+
+    if cpu_kernels.load() is None:
+        pytest.skip("no C compiler on this machine")
+    return cpu_kernels.load()

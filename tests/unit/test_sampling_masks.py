@@ -11,16 +11,6 @@ from services.engine.model import cpu_kernels
 from services.engine.sampling_masks import apply_sampling_masks
 
 
-@pytest.fixture(params=["topk", "native"])
-def kernels(request):
-    """How the candidates are picked: ``topk`` (any device), or the native floor (CPU)."""
-    if request.param == "topk":
-        return None
-    if cpu_kernels.load() is None:
-        pytest.skip("no C compiler on this machine")
-    return cpu_kernels.load()
-
-
 def _full_sort(monkeypatch, *args):
     monkeypatch.setattr(sampling_masks, "_decide_among_candidates", lambda *a: None)
     try:
@@ -40,7 +30,7 @@ def _rows(seed: int, bsz: int, vocab: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("candidates", [4, 16, 64])
-def test_candidate_masks_equal_full_sort_masks(monkeypatch, kernels, seed, candidates):
+def test_candidate_masks_equal_full_sort_masks(monkeypatch, sampling_kernels, seed, candidates):
     bsz, vocab = 12, 300
     x = _rows(seed, bsz, vocab)
     g = torch.Generator().manual_seed(100 + seed)
@@ -56,21 +46,23 @@ def test_candidate_masks_equal_full_sort_masks(monkeypatch, kernels, seed, candi
             monkeypatch.setattr(sampling_masks, "CANDIDATES", candidates)
             monkeypatch.setattr(sampling_masks, "WIDE_CANDIDATES", 4 * candidates)
             *_, redo = sampling_masks._decide_among_candidates(
-                x[rows], None if k is None else k.clamp(1, vocab), p, kernels)
+                x[rows], None if k is None else k.clamp(1, vocab), p, sampling_kernels)
             decided += int((~redo).sum())
-            assert torch.equal(apply_sampling_masks(x[rows], k, p, kernels=kernels), want)
+            assert torch.equal(apply_sampling_masks(x[rows], k, p, kernels=sampling_kernels), want)
     assert decided >= 5  # the candidates' path ran, not only the full sort
 
 
-def test_peaked_rows_are_decided_among_candidates_flat_ones_again(kernels):
+def test_peaked_rows_are_decided_among_candidates_flat_ones_again(sampling_kernels):
     x = torch.randn(4, 5000) * 8  # peaked: top-p 0.9 keeps a handful
     x[2] = 0.0
     x[2, 0] = 1.0  # flat: top-p 0.9 needs thousands of tokens
-    *_, redo = sampling_masks._decide_among_candidates(x, None, torch.full((4,), 0.9), kernels)
+    *_, redo = sampling_masks._decide_among_candidates(x, None, torch.full((4,), 0.9), sampling_kernels)
     assert redo.tolist() == [False, False, True, False]
-    *_, redo = sampling_masks._decide_among_candidates(x, torch.tensor([50, 2000, 5000, 1]), None, kernels)
+    k = torch.tensor([50, 2000, 5000, 1])
+    *_, redo = sampling_masks._decide_among_candidates(x, k, None, sampling_kernels)
     assert redo.tolist() == [False, True, False, False]  # k > 1,024; k = V is off
-    assert sampling_masks._decide_among_candidates(x[:, :1024], None, torch.full((4,), 0.9), kernels) is None
+    p = torch.full((4,), 0.9)
+    assert sampling_masks._decide_among_candidates(x[:, :1024], None, p, sampling_kernels) is None
 
 
 def test_the_native_floor_takes_few_candidates_and_refuses_rows_it_cannot_place():
@@ -101,7 +93,7 @@ def test_the_native_floor_takes_few_candidates_and_refuses_rows_it_cannot_place(
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_floor_masks_equal_full_sort_masks_at_a_real_vocabulary(monkeypatch, kernels, seed):
+def test_floor_masks_equal_full_sort_masks_at_a_real_vocabulary(monkeypatch, sampling_kernels, seed):
     g = torch.Generator().manual_seed(seed)
     scales = torch.tensor([0.5, 1.0, 2.0, 4.0, 8.0, 30.0]).repeat(4)  # flat .. one token
     x = torch.randn(len(scales), 8000, generator=g) * scales[:, None]
@@ -111,8 +103,8 @@ def test_floor_masks_equal_full_sort_masks_at_a_real_vocabulary(monkeypatch, ker
     decided = 0
     for kk, pp in ((k, None), (None, p), (k, p)):
         want = _full_sort(monkeypatch, x, kk, pp)
-        assert torch.equal(apply_sampling_masks(x, kk, pp, kernels=kernels), want)
-        *_, redo = sampling_masks._decide_among_candidates(x, kk, pp, kernels)
+        assert torch.equal(apply_sampling_masks(x, kk, pp, kernels=sampling_kernels), want)
+        *_, redo = sampling_masks._decide_among_candidates(x, kk, pp, sampling_kernels)
         decided += int((~redo).sum())
     assert decided >= len(x)
 
