@@ -81,6 +81,21 @@ def test_greedy_matches_transformers(checkpoint, variant):
     assert llm.engine.block_pool.num_free == llm.engine.block_pool.num_blocks
 
 
+def test_long_prompts_match_transformers(checkpoint):
+    """Decode rows past 256 keys attend in key chunks merged after (a lone row's chunks on
+    every thread): transformers' tokens and logprobs still, batched and alone."""
+    from transformers import AutoModelForCausalLM
+
+    path, _ = checkpoint
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    rng = random.Random(1)
+    prompts = [[rng.randrange(2, VOCAB) for _ in range(n)] for n in (280, 460)]  # 2 and 2-3 chunks
+    reference = [_hf_greedy(hf, p) for p in prompts]
+    llm = LLM(str(path))
+    _assert_matches(llm.generate(prompts, GREEDY), reference)
+    _assert_matches(llm.generate(prompts[1:], GREEDY), reference[1:])
+
+
 def test_prefix_cache_hits_keep_outputs_identical(checkpoint):
     path, reference = checkpoint
     llm = LLM(str(path))
