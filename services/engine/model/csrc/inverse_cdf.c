@@ -57,6 +57,6 @@ void tandem_inverse_cdf_f32(const float *probs, int64_t rows, int64_t vocab, con
             continue;
         }
         scan_row(p, vocab, u[r] * total, &token);
-        out[r] = token < 0 ? vocab - 1 : token;  /* none: u * total rounded up to the total */
+        out[r] = token < 0 ? vocab - 1 : token;  /* none only for u >= 1: torch's clamp */
     }
 }
