@@ -12,6 +12,10 @@ QUESTIONS = [
 ]
 MAX_NEW = 16
 EOS = 2  # <|im_end|>
+# ~900 tokens as a chat prompt: past several 256-key decode-attention chunks and prefill chunks
+LONG_QUESTION = " ".join(
+    f"Shelf {i} holds {(i * 7) % 13 + 1} {('red', 'green', 'blue', 'yellow')[i % 4]} boxes."
+    for i in range(80)) + " Which shelf holds the most boxes, and what colour are they?"
 
 
 def messages(question: str) -> list[dict[str, str]]:

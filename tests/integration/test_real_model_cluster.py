@@ -1,15 +1,18 @@
 """The real default model through the cluster in every mode, via the openai SDK: greedy
 chat completions token-identical to transformers loading the same GGUF (fp32), and seeded
-top-p samples token-identical to the offline engine's."""
+top-p samples, and a long prompt's outputs, token-identical to the offline engine's."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.common.config import CacheConfig, ClusterConfig, ClusterMode, EngineConfig
-from tests.real_model import EOS, MAX_NEW, QUESTIONS, messages
+from services.common.config import (CacheConfig, ClusterConfig, ClusterMode, EngineConfig,
+                                    SchedulerConfig)
+from tests.real_model import EOS, LONG_QUESTION, MAX_NEW, QUESTIONS, messages
 
 pytestmark = pytest.mark.real_model
+
+PREFILL_CHUNK = 256  # the per-step token budget: the long prompt is prefilled over several steps
 
 
 @pytest.fixture(scope="module", params=list(ClusterMode))
@@ -22,7 +25,8 @@ def served(request, ray_session, real_model_dir, real_model_reference):
     from services.text.tokenizer import Tokenizer
 
     mode = request.param
-    engine = EngineConfig(model=str(real_model_dir), dtype="float32", cache=CacheConfig(num_blocks=128))
+    engine = EngineConfig(model=str(real_model_dir), dtype="float32", cache=CacheConfig(num_blocks=128),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=PREFILL_CHUNK))
     # conditional: a threshold between the prompts' lengths, so both paths are taken
     lengths = sorted(len(p) for p in real_model_reference["prompts"])
     assert lengths[0] < lengths[-1]
@@ -85,3 +89,43 @@ def test_seeded_top_p_chat_through_the_cluster_matches_the_offline_engine(
         text = real_model_reference["tokenizer"].decode(expected, skip_special_tokens=True)
         assert reply.choices[0].message.content == text, question
         assert reply.usage.completion_tokens == len(expected), question
+
+
+@pytest.fixture(scope="module")
+def long_reference(real_model_dir, real_model_reference):
+    """The offline engine on the long chat prompt, prefilled in PREFILL_CHUNK-token chunks as
+    the cluster is: its greedy and its seeded top-p output."""
+    from services.engine import LLM, SamplingParams
+
+    tok = real_model_reference["tokenizer"]
+    prompt = list(tok.apply_chat_template(messages(LONG_QUESTION), add_generation_prompt=True,
+                                          tokenize=True, return_dict=False))
+    assert len(prompt) > 3 * PREFILL_CHUNK
+    llm = LLM(str(real_model_dir), dtype="float32", max_num_batched_tokens=PREFILL_CHUNK)
+    greedy, sampled = (llm.generate([prompt], SamplingParams(max_tokens=MAX_NEW, **params))[0]
+                       for params in (dict(temperature=0.0), dict(seed=5, **SAMPLED)))
+    return {"prompt": prompt, "greedy": list(greedy.outputs[0].token_ids),
+            "sampled": list(sampled.outputs[0].token_ids)}
+
+
+def test_long_prompt_through_the_cluster_matches_the_offline_engine(
+        served, real_model_reference, long_reference):
+    """A prompt of several prefill chunks and decode-attention key chunks, greedy, seeded
+    top-p and streamed: the offline engine's tokens in every mode."""
+    import openai
+
+    client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused")
+    decode = real_model_reference["tokenizer"].decode
+    for params, expected in ((dict(temperature=0), long_reference["greedy"]),
+                             (dict(seed=5, **SAMPLED), long_reference["sampled"])):
+        reply = client.chat.completions.create(
+            model="smollm2", messages=messages(LONG_QUESTION), max_tokens=MAX_NEW, **params)
+        assert reply.usage.prompt_tokens == len(long_reference["prompt"])
+        assert reply.choices[0].message.content == decode(expected, skip_special_tokens=True), params
+        assert reply.usage.completion_tokens == len(expected)
+    assert long_reference["sampled"] != long_reference["greedy"]  # it sampled
+    stream = client.chat.completions.create(
+        model="smollm2", messages=messages(LONG_QUESTION), max_tokens=MAX_NEW, temperature=0,
+        stream=True)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert text == decode(long_reference["greedy"], skip_special_tokens=True)
