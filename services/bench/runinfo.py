@@ -10,6 +10,8 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+from services.engine.model import cpu_features
+
 PACKAGES = ("tandem", "torch", "ray", "httpx", "numpy", "matplotlib")
 
 
@@ -32,14 +34,30 @@ def _git_commit() -> str | None:
     return out.stdout.strip() or None
 
 
+def cpu_description(cpuinfo: str, flags: frozenset[str]) -> str | None:
+    """The first processor of /proc/cpuinfo's text as figures need it named: model name,
+    family and model (a cloud CPU's name alone is often just "AMD EPYC") and its widest
+    vector instruction set, e.g. "AMD EPYC (family 25 model 1, AVX2)"; None without a name."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            break  # the first processor's block ends
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name")
+    if not name:
+        return None
+    family = f"family {fields['cpu family']} model {fields['model']}, " if "cpu family" in fields \
+        and "model" in fields else ""
+    return f"{name} ({family}{cpu_features.vector_isa(flags)})"
+
+
 def _cpu_model() -> str | None:
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        described = cpu_description(Path("/proc/cpuinfo").read_text(), cpu_features.cpu_flags())
     except OSError:
-        pass
-    return platform.processor() or None
+        described = None
+    return described or platform.processor() or None
 
 
 def machine() -> dict:

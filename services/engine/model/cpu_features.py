@@ -35,3 +35,14 @@ def has_amx_bf16(flags: frozenset[str] | None = None) -> bool:
 
     usable = getattr(torch.cpu, "_is_amx_tile_supported", None)
     return usable is None or bool(usable())
+
+
+def vector_isa(flags: frozenset[str] | None = None) -> str:
+    """The widest of the instruction sets the native kernels are built for, as a benchmark
+    reports its CPU: AMX, AVX-512 BF16, AVX-512, AVX2 or "no AVX2"."""
+    flags = cpu_flags() if flags is None else flags
+    for flag, name in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX-512 BF16"), ("avx512f", "AVX-512"),
+                       ("avx2", "AVX2")):
+        if flag in flags:
+            return name
+    return "no AVX2"
