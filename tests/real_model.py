@@ -12,18 +12,21 @@ QUESTIONS = [
 ]
 MAX_NEW = 16
 EOS = 2  # <|im_end|>
-# ~900 tokens as a chat prompt: past several 256-key decode-attention chunks and prefill chunks
-LONG_QUESTION = " ".join(
+# ~940 tokens each as chat prompts: several prefill chunks and 256-key decode-attention chunks.
+# Openings that differ, so no request finds another's prompt in the prefix cache.
+_SHELVES = " ".join(
     f"Shelf {i} holds {(i * 7) % 13 + 1} {('red', 'green', 'blue', 'yellow')[i % 4]} boxes."
     for i in range(80)) + " Which shelf holds the most boxes, and what colour are they?"
-
+LONG_QUESTIONS = tuple(f"{opening} {_SHELVES}" for opening in (
+    "Read this list.", "Here is an inventory.", "Look at these shelves."))
 
 def messages(question: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": question}]
 
 
 def transformers_reference(gguf_path: Path) -> dict:
-    """transformers' tokenizer, chat prompts and greedy continuations (fp32, up to MAX_NEW)."""
+    """transformers' tokenizer, chat prompts and greedy continuations (fp32, up to MAX_NEW): of
+    QUESTIONS ("prompts", "outputs") and of LONG_QUESTIONS ("long_prompts", "long_outputs")."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -32,10 +35,11 @@ def transformers_reference(gguf_path: Path) -> dict:
     hf = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kw).eval()
     prompts = [list(tok.apply_chat_template(messages(q), add_generation_prompt=True, tokenize=True,
                                             return_dict=False)) for q in QUESTIONS]
-    outputs = []
+    long_prompts = [list(tok.apply_chat_template(messages(q), add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False)) for q in LONG_QUESTIONS]
     with torch.no_grad():
-        for ids in prompts:
-            out = hf.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False,
-                              eos_token_id=EOS, pad_token_id=EOS)
-            outputs.append(out[0, len(ids):].tolist())
-    return {"tokenizer": tok, "prompts": prompts, "outputs": outputs}
+        outputs, long_outputs = ([hf.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False,
+                                              eos_token_id=EOS, pad_token_id=EOS)[0, len(ids):].tolist()
+                                  for ids in batch] for batch in (prompts, long_prompts))
+    return {"tokenizer": tok, "prompts": prompts, "outputs": outputs,
+            "long_prompts": long_prompts, "long_outputs": long_outputs}

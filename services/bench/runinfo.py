@@ -34,7 +34,7 @@ def _git_commit() -> str | None:
     return out.stdout.strip() or None
 
 
-def cpu_description(cpuinfo: str, flags: frozenset[str]) -> str | None:
+def cpu_description(cpuinfo: str) -> str | None:
     """The first processor of /proc/cpuinfo's text as figures need it named: model name,
     family and model (a cloud CPU's name alone is often just "AMD EPYC") and its widest
     vector instruction set, e.g. "AMD EPYC (family 25 model 1, AVX2)"; None without a name."""
@@ -49,12 +49,12 @@ def cpu_description(cpuinfo: str, flags: frozenset[str]) -> str | None:
         return None
     family = f"family {fields['cpu family']} model {fields['model']}, " if "cpu family" in fields \
         and "model" in fields else ""
-    return f"{name} ({family}{cpu_features.vector_isa(flags)})"
+    return f"{name} ({family}{cpu_features.vector_isa(frozenset(fields.get('flags', '').split()))})"
 
 
 def _cpu_model() -> str | None:
     try:
-        described = cpu_description(Path("/proc/cpuinfo").read_text(), cpu_features.cpu_flags())
+        described = cpu_description(Path("/proc/cpuinfo").read_text())
     except OSError:
         described = None
     return described or platform.processor() or None

@@ -1,6 +1,6 @@
 """The real default model through the cluster in every mode, via the openai SDK: greedy
 chat completions token-identical to transformers loading the same GGUF (fp32), and seeded
-top-p samples, and a long prompt's outputs, token-identical to the offline engine's."""
+top-p samples token-identical to the offline engine's; the same for prompts of ~940 tokens."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from services.common.config import (CacheConfig, ClusterConfig, ClusterMode, EngineConfig,
                                     SchedulerConfig)
-from tests.real_model import EOS, LONG_QUESTION, MAX_NEW, QUESTIONS, messages
+from tests.real_model import EOS, LONG_QUESTIONS, MAX_NEW, QUESTIONS, messages
 
 pytestmark = pytest.mark.real_model
 
@@ -93,39 +93,44 @@ def test_seeded_top_p_chat_through_the_cluster_matches_the_offline_engine(
 
 @pytest.fixture(scope="module")
 def long_reference(real_model_dir, real_model_reference):
-    """The offline engine on the long chat prompt, prefilled in PREFILL_CHUNK-token chunks as
-    the cluster is: its greedy and its seeded top-p output."""
+    """The long prompts' expected outputs: transformers' greedy ones, which the offline engine
+    prefilling in PREFILL_CHUNK-token chunks (as the cluster does) must match too, and the
+    offline engine's seeded top-p output of the second prompt."""
     from services.engine import LLM, SamplingParams
 
-    tok = real_model_reference["tokenizer"]
-    prompt = list(tok.apply_chat_template(messages(LONG_QUESTION), add_generation_prompt=True,
-                                          tokenize=True, return_dict=False))
-    assert len(prompt) > 3 * PREFILL_CHUNK
-    llm = LLM(str(real_model_dir), dtype="float32", max_num_batched_tokens=PREFILL_CHUNK)
-    greedy, sampled = (llm.generate([prompt], SamplingParams(max_tokens=MAX_NEW, **params))[0]
-                       for params in (dict(temperature=0.0), dict(seed=5, **SAMPLED)))
-    return {"prompt": prompt, "greedy": list(greedy.outputs[0].token_ids),
-            "sampled": list(sampled.outputs[0].token_ids)}
+    prompts, greedy = real_model_reference["long_prompts"], real_model_reference["long_outputs"]
+    assert all(len(p) > 3 * PREFILL_CHUNK for p in prompts)
+    # each prompt prefilled whole, as the cluster prefills it (its requests share no prefix)
+    llm = LLM(str(real_model_dir), dtype="float32", max_num_batched_tokens=PREFILL_CHUNK,
+              enable_prefix_caching=False)
+    offline = [list(o.outputs[0].token_ids) for o in
+               llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0))]
+    assert offline == greedy  # chunked prefill and key-chunked attention, checked independently
+    sampled = llm.generate([prompts[1]], SamplingParams(max_tokens=MAX_NEW, seed=5, **SAMPLED))[0]
+    sampled = list(sampled.outputs[0].token_ids)
+    assert sampled != greedy[1]  # it sampled
+    return {"prompts": prompts, "greedy": greedy, "sampled": sampled}
 
 
-def test_long_prompt_through_the_cluster_matches_the_offline_engine(
+def test_long_prompts_through_the_cluster_match_the_references(
         served, real_model_reference, long_reference):
-    """A prompt of several prefill chunks and decode-attention key chunks, greedy, seeded
-    top-p and streamed: the offline engine's tokens in every mode."""
+    """Prompts of several prefill chunks and decode-attention key chunks, one per request (no
+    prefix-cache hits): greedy and streamed match transformers, seeded top-p the offline
+    engine, in every mode."""
     import openai
 
     client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused")
     decode = real_model_reference["tokenizer"].decode
-    for params, expected in ((dict(temperature=0), long_reference["greedy"]),
-                             (dict(seed=5, **SAMPLED), long_reference["sampled"])):
+    prompts, greedy = long_reference["prompts"], long_reference["greedy"]
+    for i, params, expected in ((0, dict(temperature=0), greedy[0]),
+                                (1, dict(seed=5, **SAMPLED), long_reference["sampled"])):
         reply = client.chat.completions.create(
-            model="smollm2", messages=messages(LONG_QUESTION), max_tokens=MAX_NEW, **params)
-        assert reply.usage.prompt_tokens == len(long_reference["prompt"])
+            model="smollm2", messages=messages(LONG_QUESTIONS[i]), max_tokens=MAX_NEW, **params)
+        assert reply.usage.prompt_tokens == len(prompts[i])
         assert reply.choices[0].message.content == decode(expected, skip_special_tokens=True), params
         assert reply.usage.completion_tokens == len(expected)
-    assert long_reference["sampled"] != long_reference["greedy"]  # it sampled
     stream = client.chat.completions.create(
-        model="smollm2", messages=messages(LONG_QUESTION), max_tokens=MAX_NEW, temperature=0,
+        model="smollm2", messages=messages(LONG_QUESTIONS[2]), max_tokens=MAX_NEW, temperature=0,
         stream=True)
     text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
-    assert text == decode(long_reference["greedy"], skip_special_tokens=True)
+    assert text == decode(greedy[2], skip_special_tokens=True)

@@ -38,8 +38,9 @@ def has_amx_bf16(flags: frozenset[str] | None = None) -> bool:
 
 
 def vector_isa(flags: frozenset[str] | None = None) -> str:
-    """The widest of the instruction sets the native kernels are built for, as a benchmark
-    reports its CPU: AMX, AVX-512 BF16, AVX-512, AVX2 or "no AVX2"."""
+    """The widest vector instruction set that picks the engine's CPU paths, as a benchmark
+    reports its CPU: AMX or AVX-512 BF16 (native bf16 products), AVX-512 or AVX2 (the native
+    kernels' builds), else "no AVX2"."""
     flags = cpu_flags() if flags is None else flags
     for flag, name in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX-512 BF16"), ("avx512f", "AVX-512"),
                        ("avx2", "AVX2")):
