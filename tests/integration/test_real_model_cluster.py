@@ -12,7 +12,7 @@ from tests.real_model import EOS, LONG_QUESTIONS, MAX_NEW, QUESTIONS, messages
 
 pytestmark = pytest.mark.real_model
 
-PREFILL_CHUNK = 256  # the per-step token budget: the long prompt is prefilled over several steps
+PREFILL_CHUNK = 256  # the per-step token budget: each long prompt is prefilled over several steps
 
 
 @pytest.fixture(scope="module", params=list(ClusterMode))
@@ -100,7 +100,7 @@ def long_reference(real_model_dir, real_model_reference):
 
     prompts, greedy = real_model_reference["long_prompts"], real_model_reference["long_outputs"]
     assert all(len(p) > 3 * PREFILL_CHUNK for p in prompts)
-    # each prompt prefilled whole, as the cluster prefills it (its requests share no prefix)
+    # no prompt reuses another's cached blocks, as none does in the cluster (they share no prefix)
     llm = LLM(str(real_model_dir), dtype="float32", max_num_batched_tokens=PREFILL_CHUNK,
               enable_prefix_caching=False)
     offline = [list(o.outputs[0].token_ids) for o in
