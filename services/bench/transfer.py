@@ -183,7 +183,8 @@ def ttft(model: str, prompt_lens: list[int], repeats: int, threads: int) -> list
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     out = []
     for name, kw in setups.items():
-        cluster = Cluster(ClusterConfig(engine=engine, threads_per_worker=threads, **kw)).start()
+        cluster = Cluster(ClusterConfig(engine=engine, threads_per_worker=threads,
+                                        decode_burst_threads=0, **kw)).start()
         try:
             for n in prompt_lens:
                 firsts, seconds = [], []

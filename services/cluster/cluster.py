@@ -16,7 +16,7 @@ import ray
 
 from services.common.config import ClusterConfig, EngineConfig
 from services.common.sampling_params import SamplingParams
-from services.cluster import attach, control, drain, placement
+from services.cluster import attach, control, cpu_sizing, drain, placement
 from services.cluster import scale as resize
 from services.cluster.drain import DRAIN_TIMEOUT_S, DrainReport
 from services.cluster.handles import RayDecode, RayPrefill, is_transient
@@ -48,7 +48,7 @@ class Cluster:
                  deployment: str | None = None) -> None:
         """``deployment``: run the workers as detached actors under this name, so they
         outlive the gateway and a restarted one re-attaches to them (see ``attach``)."""
-        self.config = config
+        self.config = cpu_sizing.resolve(config)  # thread counts left unset: sized to the host
         self.deployment = deployment
         self.reattached: list[str] = []
         self.placement: dict[str, placement.NodePlacement] = {}  # worker id -> its Ray node
@@ -85,7 +85,8 @@ class Cluster:
         colocated = cfg.mode == "colocated"
         n_prefill = 0 if colocated else cfg.prefill_workers
         n_decode = cfg.decode_workers + (cfg.prefill_workers if colocated else 0)
-        self._progress(f"loading {model} on {n_prefill} prefill + {n_decode} decode workers")
+        self._progress(f"loading {model} on {n_prefill} prefill + {n_decode} decode workers, "
+                       + cpu_sizing.describe(cfg))
         self._engine = engine
         role = "both" if colocated else "decode"
         attached = attach.reattach(self, n_prefill, n_decode, timeout_s) if self.deployment else {}

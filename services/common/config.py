@@ -281,12 +281,17 @@ class ClusterConfig:
     prefill_workers: int = field(default=1, metadata={"help": "workers in the prefill pool"})
     decode_workers: int = field(default=1, metadata={"help": "workers in the decode pool"})
     engine: EngineConfig = EngineConfig()
-    threads_per_worker: int = field(default=1, metadata={"help": "torch threads per worker"})
+    # None: sized to the host (services.cluster.cpu_sizing) when the cluster runs here.
+    threads_per_worker: int | None = field(default=None, metadata={
+        "help": "torch threads per worker (default: on a CPU cluster started here, the usable "
+                "cores shared equally among the workers; else 1)"})
     # CPU hosts the pools share: a decode worker takes more threads while no prefill is
     # pending for it (the prefill workers' cores are idle then), threads_per_worker otherwise.
-    decode_burst_threads: int = field(default=0, metadata={
+    decode_burst_threads: int | None = field(default=None, metadata={
         "help": "disaggregated on CPU: decode workers run this many torch threads while no "
-                "prefill is pending for them, threads-per-worker otherwise (0: off)"})
+                "prefill is pending for them, threads-per-worker otherwise (0: off; default: on "
+                "a CPU cluster started here, the usable cores shared among the decode workers; "
+                "else off)"})
     # Each pool's steps are one phase: prompts run fastest on oneDNN's blocked layout,
     # decode steps on the packed one (--cpu-weight-layout's default).
     prefill_weight_layout: str = field(default="blocked", metadata={
@@ -348,9 +353,9 @@ class ClusterConfig:
             raise ValueError(f"prefill_nice must be in [0, 19], got {self.prefill_nice}")
         if self.prefill_workers < (0 if self.mode == "colocated" else 1):
             raise ValueError(f"prefill_workers must be >= 1 in {self.mode} mode")
-        if self.threads_per_worker < 1:
+        if self.threads_per_worker is not None and self.threads_per_worker < 1:
             raise ValueError(f"threads_per_worker must be >= 1, got {self.threads_per_worker}")
-        if self.decode_burst_threads < 0:
+        if self.decode_burst_threads is not None and self.decode_burst_threads < 0:
             raise ValueError(f"decode_burst_threads must be >= 0, got {self.decode_burst_threads}")
         for name, allowed in (("prefill_weight_layout", CPU_WEIGHT_LAYOUTS),
                               ("decode_weight_layout", (None, *CPU_WEIGHT_LAYOUTS))):

@@ -1,0 +1,73 @@
+"""Thread counts left unset are sized to the host's usable cores for a cluster started
+here on CPU, and stay one thread a worker, no burst, anywhere else; set counts are kept."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from services.cluster import cpu_sizing
+from services.common.config import ClusterConfig, EngineConfig
+
+
+def _sized(cores: int, **kw) -> tuple[int, int]:
+    c = cpu_sizing.resolve(ClusterConfig(**kw), cores=cores)
+    return c.threads_per_worker, c.decode_burst_threads
+
+
+@pytest.mark.parametrize("cores,kw,expected", [
+    (2, {}, (1, 2)),  # 1P+1D: one core each; decode takes both while no prefill is pending
+    (16, {}, (8, 16)),
+    (2, dict(prefill_workers=2), (1, 2)),  # 3 workers on 2 cores: still 1 each
+    (4, dict(prefill_workers=1, decode_workers=2), (1, 2)),  # the decode workers share the host
+    (3, {}, (1, 3)),
+    (1, {}, (1, 0)),  # nothing to burst into
+    (2, dict(decode_workers=2), (1, 0)),  # 1 + 1 share of 2 cores among 2 decode workers: off
+    (2, dict(mode="conditional"), (1, 2)),
+    (8, dict(mode="colocated", prefill_workers=0, decode_workers=2), (4, 0)),  # no burst colocated
+    (8, dict(mode="colocated", prefill_workers=1, decode_workers=1), (4, 0)),
+])
+def test_local_cpu_cluster_shares_the_cores(cores, kw, expected):
+    assert _sized(cores, **kw) == expected
+
+
+def test_set_counts_are_kept():
+    assert _sized(16, threads_per_worker=2) == (2, 16)
+    assert _sized(16, decode_burst_threads=0) == (8, 0)
+    assert _sized(16, threads_per_worker=3, decode_burst_threads=5) == (3, 5)
+    assert _sized(2, threads_per_worker=2, decode_burst_threads=2) == (2, 0)  # not above base: off
+
+
+@pytest.mark.parametrize("kw", [dict(ray_address="10.0.0.1:6379"),
+                                dict(engine=EngineConfig(device="cuda"))])
+def test_elsewhere_one_thread_and_no_burst(kw):
+    assert _sized(16, **kw) == (1, 0)
+    assert _sized(16, threads_per_worker=4, decode_burst_threads=8, **kw) == (4, 8)
+
+
+def test_usable_cores_reads_the_affinity_and_a_cgroup_quota(tmp_path):
+    affinity = len(os.sched_getaffinity(0))
+    limit = tmp_path / "cpu.max"
+    limit.write_text("max 100000\n")
+    assert cpu_sizing.usable_cores(str(limit)) == affinity
+    limit.write_text("50000 100000\n")  # half a core: still one
+    assert cpu_sizing.usable_cores(str(limit)) == 1
+    limit.write_text(f"{(affinity + 3) * 100000} 100000\n")  # a quota above the affinity
+    assert cpu_sizing.usable_cores(str(limit)) == affinity
+    assert cpu_sizing.usable_cores(str(tmp_path / "missing")) == affinity
+
+
+def test_the_start_up_line_says_what_runs():
+    c = cpu_sizing.resolve(ClusterConfig(), cores=2)
+    assert cpu_sizing.describe(c) == ("1 torch thread(s) per worker, decode workers 2 while no "
+                                      "prefill is pending for them")
+    assert cpu_sizing.describe(cpu_sizing.resolve(ClusterConfig(), cores=1)) == \
+        "1 torch thread(s) per worker"
+
+
+def test_bad_counts_are_refused():
+    with pytest.raises(ValueError, match="threads_per_worker"):
+        ClusterConfig(threads_per_worker=0)
+    with pytest.raises(ValueError, match="decode_burst_threads"):
+        ClusterConfig(decode_burst_threads=-1)
