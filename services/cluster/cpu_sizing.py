@@ -1,7 +1,7 @@
 """Torch thread counts of a CPU cluster's workers, sized to the host unless set.
 
-A cluster that ``tandem serve`` starts on this host (its own Ray, no ``--ray-address``,
-no ``--deployment``) runs every worker here. Unless set, each worker then gets an equal
+A CPU cluster that ``tandem serve`` starts on this host (its own Ray, no
+``--ray-address``) runs every worker here. Unless set, each worker then gets an equal
 share of the cores this process may use (``threads_per_worker``), and each decode worker
 of a disaggregated or conditional cluster takes its share of all of them while no
 prefill is pending for it (``decode_burst_threads``, see ``services.worker.threads``):
