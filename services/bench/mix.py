@@ -63,15 +63,18 @@ def all_mixes(max_workers: int) -> list[Mix]:
 
 
 def helm_values(mix: Mix, note: str, layouts: dict[str, str] | None = None,
-                local_prefill_threshold: int = LOCAL_PREFILL_THRESHOLD) -> str:
+                local_prefill_threshold: int = LOCAL_PREFILL_THRESHOLD,
+                threads: int | None = None) -> str:
     """A values fragment for helm/tandem: the mode and the two worker groups' replicas (one
-    worker per pod), their CPU weight layouts when ``layouts`` (the profile's) says, and a
-    conditional mix's threshold where it is not `tandem serve`'s default."""
+    worker per pod), their CPU weight layouts when ``layouts`` (the profile's) says, a
+    conditional mix's threshold where it is not `tandem serve`'s default, and with
+    ``threads`` (CPU workers) each pod's CPU request, which its worker runs as torch threads."""
+    cpus = f'  resources:\n    requests:\n      cpu: "{threads}"\n' if threads else ""
     prefill_layout = f"  weightLayout: {layouts['prefill']}\n" if layouts else ""
     decode_layout = f"  weightLayout: {layouts['colocated' if mix.colocated else 'decode']}\n" if layouts else ""
     threshold = (f'  extraArgs: ["--local-prefill-threshold", "{local_prefill_threshold}"]\n'
                  if mix.conditional and local_prefill_threshold != LOCAL_PREFILL_THRESHOLD else "")
     return (f"# {note}\n"
             f"gateway:\n  mode: {mix.mode}\n{threshold}"
-            f"prefill:\n  replicas: {0 if mix.colocated else mix.prefill}\n  workersPerPod: 1\n{prefill_layout}"
-            f"decode:\n  replicas: {mix.decode}\n  workersPerPod: 1\n{decode_layout}")
+            f"prefill:\n  replicas: {0 if mix.colocated else mix.prefill}\n  workersPerPod: 1\n{prefill_layout}{cpus}"
+            f"decode:\n  replicas: {mix.decode}\n  workersPerPod: 1\n{decode_layout}{cpus}")

@@ -261,7 +261,8 @@ def main(args: argparse.Namespace) -> int:
             Path(args.helm_values).write_text(helm_values(Mix(**best["mix"]), (
                 f"tandem plan: {wl.name} at {target_rate:g} req/s, SLO TTFT {slo['ttft_ms']} ms / TPOT "
                 f"{slo['tpot_ms']} ms at {slo['attainment']:.0%}: {best['label']}"),
-                prof["worker"].get("weight_layouts"), args.local_prefill_threshold))
+                prof["worker"].get("weight_layouts"), args.local_prefill_threshold,
+                threads=None if on_gpu else threads))
             print(f"helm values: {args.helm_values}")
     if not args.no_plots:
         from services.bench import plots

@@ -10,6 +10,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+from services.cluster import cpu_sizing
 from services.engine.model import cpu_features
 
 PACKAGES = ("tandem", "torch", "ray", "httpx", "numpy", "matplotlib")
@@ -61,9 +62,10 @@ def _cpu_model() -> str | None:
 
 
 def machine() -> dict:
-    """Platform, CPU model and count (the cores this process may use), memory, load."""
+    """Platform, CPU model and count (the cores this process may use: its affinity, capped
+    by a cgroup CPU quota), memory, load."""
     try:
-        usable = len(os.sched_getaffinity(0))
+        usable = cpu_sizing.usable_cores()
     except (AttributeError, OSError):
         usable = None
     try:

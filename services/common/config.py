@@ -281,10 +281,12 @@ class ClusterConfig:
     prefill_workers: int = field(default=1, metadata={"help": "workers in the prefill pool"})
     decode_workers: int = field(default=1, metadata={"help": "workers in the decode pool"})
     engine: EngineConfig = EngineConfig()
-    # None: sized to the host (services.cluster.cpu_sizing) when the cluster runs here.
+    # None: sized to the host (services.cluster.cpu_sizing), or on a joined Ray cluster by
+    # each worker on its node (services.worker.threads.node_threads).
     threads_per_worker: int | None = field(default=None, metadata={
         "help": "torch threads per worker (default: on a CPU cluster started here, the usable "
-                "cores shared equally among the workers; else 1)"})
+                "cores shared equally among the workers; on a Ray cluster joined, each worker's "
+                "node's CPUs shared among the workers its pool's resource admits there; CUDA: 1)"})
     # CPU hosts the pools share: a decode worker takes more threads while no prefill is
     # pending for it (the prefill workers' cores are idle then), threads_per_worker otherwise.
     decode_burst_threads: int | None = field(default=None, metadata={

@@ -75,6 +75,7 @@ class WorkerMetrics:
     spec_acceptance_length: Histogram
     step_cpu: Counter
     steps: Counter
+    threads: Gauge
 
 
 def worker_metrics(role: str, worker: str,
@@ -126,6 +127,9 @@ def worker_metrics(role: str, worker: str,
                               "counted); the rest of a worker's CPU is the request path",
                               WORKER_LABELS, registry=r)),
         steps=bind(Counter(f"{PREFIX}engine_steps", "Engine steps run (each a forward pass)",
+                           WORKER_LABELS, registry=r)),
+        threads=bind(Gauge(f"{PREFIX}worker_threads", "Torch threads the engine's steps run with "
+                           "now (a decode worker's changes while it bursts)",
                            WORKER_LABELS, registry=r)),
     )
     return m, r

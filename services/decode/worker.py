@@ -19,8 +19,6 @@ import logging
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping, Sequence
 
-import torch
-
 from services.common.config import EngineConfig
 from services.common.sampling_params import SamplingParams
 from services.engine.engine import EngineOutput
@@ -65,7 +63,7 @@ class DecodeWorker(EngineWorker):
         """``burst_threads``: torch threads while no remote prefill is pending for this
         worker (``ElasticThreads``; 0: always ``config.num_threads``)."""
         super().__init__(worker_id, config, role, sync=sync)
-        self.threads = ElasticThreads(config.num_threads or torch.get_num_threads(), burst_threads)
+        self.threads = ElasticThreads(self.num_threads, burst_threads)
         self.receiver: KVReceiver | None = None
         self.rank: int | None = None
         self.transfer_timeout_s = transfer_timeout_s
@@ -79,6 +77,9 @@ class DecodeWorker(EngineWorker):
         self.feeds = Feeds(worker_id, self.loop.close_stream)
         self.kv_bytes_received = 0
         self._retune_threads()
+
+    def threads_now(self) -> int:
+        return self.threads.current or self.threads.base
 
     def _retune_threads(self) -> None:
         """Queue the thread count for the pending transfers now (applied between steps)."""
@@ -113,7 +114,6 @@ class DecodeWorker(EngineWorker):
     def counters(self) -> dict:
         return {"kv_bytes_received": self.kv_bytes_received,
                 "pending_transfers": len(self._transfers),
-                "threads": self.threads.current or self.threads.base,
                 "thread_switches": self.threads.switches}
 
     # -- remote prefill: reserve, receive, decode -------------------------------

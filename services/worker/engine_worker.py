@@ -31,6 +31,7 @@ from services.protocol.messages import CompatibilityDescriptor
 from services.transfer.endpoint import compatibility
 from services.transfer.streams import DeviceSync, make_sync
 from services.worker.device import actor_device, device_uuid
+from services.worker.threads import node_threads
 
 T = TypeVar("T")
 COMMAND_TIMEOUT_S = 60.0  # the longest an engine command may wait for its turn
@@ -48,9 +49,12 @@ class EngineWorker:
         self.worker_id, self.role = worker_id, role
         if niceness:  # before the engine's threads start: Linux niceness is per thread, inherited
             os.nice(niceness)
+        if config.num_threads is None and config.device == "cpu":  # on a Ray node it joined
+            config = dataclasses.replace(config, num_threads=node_threads())
         if config.num_threads is not None:  # Ray sets OMP_NUM_THREADS=1 in actors
             os.environ["OMP_NUM_THREADS"] = str(config.num_threads)
             torch.set_num_threads(config.num_threads)
+        self.num_threads = torch.get_num_threads()
         device = actor_device(config.device)
         if device != "cpu":
             torch.cuda.set_device(torch.device(device))
@@ -125,6 +129,7 @@ class EngineWorker:
         the gauges are read on the engine thread."""
         await asyncio.wait_for(asyncio.wrap_future(
             self.loop.submit(lambda e: e.update_gauges())), COMMAND_TIMEOUT_S)
+        self.metrics.threads.set(self.threads_now())
         return list(self._registry.collect())
 
     async def _run(self, fn: Callable[[LLMEngine], T]) -> T:
@@ -133,9 +138,13 @@ class EngineWorker:
         return await asyncio.wait_for(asyncio.wrap_future(self.loop.submit(fn)),
                                       COMMAND_TIMEOUT_S)
 
+    def threads_now(self) -> int:
+        """Torch threads the engine's steps run with (set at start-up)."""
+        return self.num_threads
+
     def stats(self) -> dict:
-        return {**self.load(), "transfer_failures": self.transfer_failures,
-                "failed_steps": self.loop.failed_steps,
+        return {**self.load(), "threads": self.threads_now(),
+                "transfer_failures": self.transfer_failures, "failed_steps": self.loop.failed_steps,
                 "num_preemptions": self.engine.scheduler.num_preemptions, **self.counters()}
 
     def counters(self) -> dict:

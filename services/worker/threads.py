@@ -1,4 +1,10 @@
-"""Elastic torch threads for a decode worker that shares a CPU host with prefill workers.
+"""A worker's torch threads: sized on a Ray node it joined, elastic on a shared CPU host.
+
+On a Ray cluster that ``tandem serve --ray-address`` joins, the workers' hosts are not
+the gateway's: a CPU worker left without a thread count sizes itself on its own node
+(``node_threads``), sharing the CPUs that node advertises to Ray among the workers its
+pool's custom resource admits there (a Helm worker pod: its CPU request over its
+``workersPerPod``).
 
 On a CPU host the pools share cores. A decode worker pinned to one thread leaves the
 prefill workers' cores idle whenever no prompt is being prefilled, and a decode worker
@@ -13,7 +19,62 @@ with the count it started with.
 
 from __future__ import annotations
 
+import math
+import os
+
 import torch
+
+CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"  # cgroup v2: "<quota> <period>" or "max <period>"
+
+
+def usable_cores(cpu_max_path: str = CGROUP_CPU_MAX) -> int:
+    """Cores this process may run on: its CPU affinity, capped by a cgroup CPU quota
+    (a container's ``--cpus``), at least 1."""
+    cores = len(os.sched_getaffinity(0))
+    try:
+        with open(cpu_max_path) as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, math.floor(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass  # no cgroup v2 limit readable: the affinity alone
+    return max(1, cores)
+
+
+# Ray's own resources; any other name a worker asks for is a pool's custom resource
+# (``tandem_prefill``, ``--prefill-resource NAME=AMOUNT``), which bounds how many workers
+# of that pool one node holds.
+RAY_RESOURCES = frozenset({"CPU", "GPU", "memory", "object_store_memory"})
+
+
+def share_of_node(asked: dict[str, float], node: dict[str, float], cores: int) -> int:
+    """Torch threads for one worker on a Ray node: the node's CPUs (as Ray counts them,
+    at most ``cores``, those this process may use) shared among as many workers as the
+    node's custom resources admit; 1 when the worker asks for none (then nothing bounds
+    how many share the node).
+
+    ``asked``: the resources Ray assigned the worker; ``node``: the node's totals. E.g. a pod of 4 CPUs advertising ``tandem_prefill: 2`` gives each of
+    its two prefill workers 2 threads.
+    """
+    admits = [math.floor(node.get(name, 0.0) / amount + 1e-9) for name, amount in asked.items()
+              if amount > 0 and name not in RAY_RESOURCES and ":" not in name]
+    if not admits:
+        return 1
+    cpus = min(cores, math.floor(node.get("CPU", 0.0) + 1e-9))
+    return max(1, cpus // max(1, min(admits)))
+
+
+def node_threads() -> int | None:
+    """``share_of_node`` for the Ray actor calling it, read from Ray and its own usable
+    cores (None outside an actor)."""
+    import ray
+
+    if not (ray.is_initialized() and ray.get_runtime_context().get_actor_id()):
+        return None
+    context = ray.get_runtime_context()
+    node_id = context.get_node_id()
+    node = next((n["Resources"] for n in ray.nodes() if n["NodeID"] == node_id), {})
+    return share_of_node(context.get_assigned_resources(), node, usable_cores())
 
 
 class ElasticThreads:
@@ -47,3 +108,4 @@ class ElasticThreads:
             self.current = n
             self.switches += 1
         return n
+

@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from services.cluster.cluster import Cluster
-from services.cluster.cpu_sizing import usable_cores
+from services.worker.threads import usable_cores
 from tests.integration.test_cluster import _config, prompts, reference, run_all, wait_all_free  # noqa: F401
 
 
@@ -36,7 +36,7 @@ def test_decode_threads_follow_pending_prefills(cluster, prompts, reference):  #
     assert decode["thread_switches"] >= 3 and decode["thread_switches"] % 2 == 1
     assert decode["pending_transfers"] == 0
     prefill = next(s for s in stats if s["role"] == "prefill")
-    assert "threads" not in prefill
+    assert prefill["threads"] == cores // 2 and "thread_switches" not in prefill
 
 
 def test_colocated_workers_keep_their_threads(ray_session, checkpoint):

@@ -567,6 +567,24 @@ def test_worker_groups_scale_between_their_bounds_and_drain_before_a_pod_goes():
     assert arg_value(command, "--timeout") == "0" and grace == 60
 
 
+@pytest.mark.parametrize("cpu,num_cpus", [("2", "2"), (3, "3"), ("2.9", "2"), ("1500m", "1"),
+                                          ("250m", "1"), ("0.5", "1")])
+def test_cpu_pods_advertise_their_cpu_request_as_ray_cpus(cpu, num_cpus):
+    """A CPU worker sizes its torch threads on its Ray node (the node's CPUs over the
+    workers its pool's resource admits): the pod's CPU request, in whole cores, is that
+    count, unless rayStartParams sets it; GPU pods keep KubeRay's and Ray's own."""
+    rc = one(render({"prefill": {"resources": {"requests": {"cpu": cpu}}, "workersPerPod": 2},
+                     "decode": {"rayStartParams": {"num-cpus": "5"}}}), "RayCluster")
+    prefill = worker_group(rc, "prefill")["rayStartParams"]
+    assert prefill["num-cpus"] == num_cpus
+    assert ray_custom_resources(prefill["resources"]) == {"tandem_prefill": 2}
+    assert worker_group(rc, "decode")["rayStartParams"]["num-cpus"] == "5"
+    assert one(render(), "RayCluster")["spec"]["workerGroupSpecs"][0]["rayStartParams"]["num-cpus"] == "2"
+    gpu = {"image": {"flavor": "cuda"}, "prefill": {"gpus": 1}, "decode": {"gpus": 1}}
+    rc = one(render(gpu), "RayCluster")
+    assert all("num-cpus" not in worker_group(rc, n)["rayStartParams"] for n in ("prefill", "decode"))
+
+
 def test_gateway_starts_a_resource_less_ray_node_then_execs_tandem_serve(tmp_path):
     """Run the gateway container's command with stand-ins for `ray` and `tandem`."""
     import subprocess

@@ -1,10 +1,11 @@
 """tandem across two Ray nodes: a real two-node Ray cluster on this machine (a head and a
 worker node, each its own `ray start` with its own custom resource, loopback only, Ray
 token authentication on), and `tandem serve --ray-address` placing the prefill worker on
-one node and the decode worker on the other by those resources. The KV crosses nodes
-over gloo/TCP; the real OpenAI client gets the offline engine's outputs; each worker's
-transfer metrics count the KV bytes, and the workers report different Ray node ids;
-`tandem drain --node` from another process reaches the gateway through Ray.
+one node and the decode worker on the other by those resources, each sizing its torch
+threads on its own node. The KV crosses nodes over gloo/TCP; the real OpenAI client gets
+the offline engine's outputs; each worker's transfer metrics count the KV bytes, and the
+workers report different Ray node ids; `tandem drain --node` from another process
+reaches the gateway through Ray.
 
 Every process of both nodes and of the gateway is ended when the test ends, whatever
 happens (by process id: other Ray clusters on the machine are left alone).
@@ -29,6 +30,7 @@ import pytest
 
 from services.common.sampling_params import SamplingParams
 from services.engine import LLM
+from services.worker.threads import usable_cores
 from tests.integration.test_cluster import block_bytes
 from tests.integration.test_listeners import ProcessTree, Served, _is_loopback, _listeners
 
@@ -40,6 +42,7 @@ NODE_START_TIMEOUT_S = 120
 PROMPTS = ["The quick brown fox", "def fibonacci(n):", "Once upon a time, in a land far away,",
            "1, 2, 3,", "A long prompt that spans more than one block of sixteen tokens: " * 3]
 MAX_TOKENS = 12
+PREFILL_NODE_CPUS = 2  # the prefill worker's node advertises 2 CPUs to Ray, the decode's 1
 
 # `ray start`, except that this machine's loopback address stays the node address. Ray
 # turns 127.0.0.1 into the host's network address when it resolves --address and
@@ -64,11 +67,11 @@ def _free_port() -> int:
 class RayNode(ProcessTree):
     """One `ray start --block` in a session of its own; ``stop()`` ends its process tree."""
 
-    def __init__(self, args: list[str], env: dict[str, str], log: Path) -> None:
+    def __init__(self, args: list[str], env: dict[str, str], log: Path, num_cpus: int = 1) -> None:
         self.log = log
         with open(log, "w") as out:
             proc = subprocess.Popen([sys.executable, "-c", RAY_START, "start", "--block",
-                                     "--node-ip-address", "127.0.0.1", "--num-cpus", "1",
+                                     "--node-ip-address", "127.0.0.1", "--num-cpus", str(num_cpus),
                                      "--object-store-memory", str(100 << 20),
                                      "--disable-usage-stats", *args],
                                     cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
@@ -91,7 +94,8 @@ def _wait_for_port(port: int, node: RayNode) -> None:
 
 @pytest.fixture
 def two_nodes(monkeypatch, tmp_path):
-    """A head node with ``tandem_prefill: 1`` and a worker node with ``tandem_decode: 1``.
+    """A head node with ``tandem_prefill: 1`` and ``PREFILL_NODE_CPUS`` CPUs, and a worker
+    node with ``tandem_decode: 1`` and one CPU.
 
     Yields the GCS address; the environment (token, PYTHONPATH) is set in this process
     too, so that a `tandem serve` started from here inherits it.
@@ -113,7 +117,7 @@ def two_nodes(monkeypatch, tmp_path):
     try:
         nodes.append(RayNode(["--head", "--port", str(port), "--include-dashboard", "false",
                               "--temp-dir", temp_dir, "--resources", '{"tandem_prefill": 1}'],
-                             node_env, tmp_path / "head.log"))
+                             node_env, tmp_path / "head.log", num_cpus=PREFILL_NODE_CPUS))
         _wait_for_port(port, nodes[0])
         nodes.append(RayNode(["--address", f"127.0.0.1:{port}", "--temp-dir", temp_dir,
                               "--resources", '{"tandem_decode": 1}'],
@@ -194,6 +198,10 @@ def test_prefill_and_decode_on_two_nodes_match_the_offline_engine(two_nodes, che
         assert set(nodes_of) == {"prefill-0", "decode-0"}, page
         assert nodes_of["prefill-0"]["node_id"] != nodes_of["decode-0"]["node_id"]
         assert {n["node_ip"] for n in nodes_of.values()} == {"127.0.0.1"}
+        # no thread count was set: each worker took its node's CPUs (at most this
+        # machine's usable cores), one worker a node by its pool's resource
+        threads = {w: v for w, (_, v) in _samples(page, "tandem_worker_threads").items()}
+        assert threads == {"prefill-0": min(PREFILL_NODE_CPUS, usable_cores()), "decode-0": 1}, page
         # the KV crossed: every prompt block sent by P's node and received on D's node
         kv = _samples(page, "tandem_kv_transfer_bytes_total")
         assert kv["prefill-0"][1] == sent and kv["decode-0"][1] == sent, kv

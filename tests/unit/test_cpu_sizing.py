@@ -1,5 +1,6 @@
 """Thread counts left unset are sized to the host's usable cores for a cluster started
-here on CPU, and stay one thread a worker, no burst, anywhere else; set counts are kept."""
+here on CPU; a CPU cluster joining Ray leaves them to each worker's node, a CUDA cluster
+runs one thread a worker, no burst; set counts are kept."""
 
 from __future__ import annotations
 
@@ -39,11 +40,20 @@ def test_set_counts_are_kept():
     assert _sized(2, threads_per_worker=2, decode_burst_threads=2) == (2, 0)  # not above base: off
 
 
-@pytest.mark.parametrize("kw", [dict(ray_address="10.0.0.1:6379"),
-                                dict(engine=EngineConfig(device="cuda"))])
-def test_elsewhere_one_thread_and_no_burst(kw):
-    assert _sized(16, **kw) == (1, 0)
-    assert _sized(16, threads_per_worker=4, decode_burst_threads=8, **kw) == (4, 8)
+def test_a_joined_cpu_cluster_leaves_the_count_to_each_worker_and_does_not_burst():
+    joined = dict(ray_address="10.0.0.1:6379")
+    assert _sized(16, **joined) == (None, 0)  # services.worker.threads.node_threads decides
+    assert _sized(16, decode_burst_threads=8, **joined) == (None, 8)
+    assert _sized(16, threads_per_worker=4, decode_burst_threads=8, **joined) == (4, 8)
+    assert cpu_sizing.describe(cpu_sizing.resolve(ClusterConfig(**joined), cores=16)) == \
+        "torch threads per worker sized on its Ray node"
+
+
+def test_cuda_workers_run_one_thread_and_do_not_burst():
+    cuda = dict(engine=EngineConfig(device="cuda"))
+    for where in ({}, dict(ray_address="10.0.0.1:6379")):
+        assert _sized(16, **cuda, **where) == (1, 0)
+        assert _sized(16, threads_per_worker=4, decode_burst_threads=8, **cuda, **where) == (4, 8)
 
 
 def test_usable_cores_reads_the_affinity_and_a_cgroup_quota(tmp_path):

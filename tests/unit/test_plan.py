@@ -97,6 +97,10 @@ def test_helm_values_set_the_worker_groups():
     lower = yaml.safe_load(helm_values(Mix(2, 1, conditional=True), "note", local_prefill_threshold=200))
     assert lower["gateway"] == {"mode": "conditional", "extraArgs": ["--local-prefill-threshold", "200"]}
     assert (colo["prefill"]["replicas"], colo["decode"]["replicas"]) == (0, 3)
+    # CPU workers: each pod requests the planned threads, which its worker runs
+    sized = yaml.safe_load(helm_values(Mix(2, 1), "note", threads=2))
+    for group in ("prefill", "decode"):
+        assert sized[group] == {**disagg[group], "resources": {"requests": {"cpu": "2"}}}
 
 
 def test_step_factors_set_served_step_cpu_against_the_profiled_cost_of_the_same_steps():
@@ -154,6 +158,7 @@ def test_tandem_plan_prints_the_table_and_writes_helm_values(tmp_path, capsys):
     chosen = Mix.parse(plan["recommended"].replace("×", "x"))
     written = yaml.safe_load(values.read_text())
     assert written["decode"]["replicas"] == chosen.decode and written["gateway"]["mode"] == chosen.mode
+    assert written["decode"]["resources"] == {"requests": {"cpu": "1"}}  # the profile's 1 thread
 
 
 def test_tandem_plan_takes_the_request_path_measured_on_this_host(tmp_path, capsys):

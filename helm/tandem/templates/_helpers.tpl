@@ -372,3 +372,15 @@ exec:
     - import urllib.request; urllib.request.urlopen('http://127.0.0.1:8265/api/gcs_healthz', timeout=2)
 {{- end -}}
 {{- end -}}
+
+{{/*
+A CPU quantity ("2", 2, "1.5", "1500m") in whole cores, rounded down, at least 1.
+*/}}
+{{- define "tandem.wholeCpus" -}}
+{{- $q := toString . -}}
+{{- if hasSuffix "m" $q -}}
+{{- max 1 (div (int (trimSuffix "m" $q)) 1000) -}}
+{{- else -}}
+{{- max 1 (int (floor (float64 $q))) -}}
+{{- end -}}
+{{- end -}}
