@@ -426,6 +426,12 @@ def pools() -> dict:
                        description="Share of a core each worker's engine thread spends in steps (its "
                                    "OpenMP helpers not counted): near 1, the worker is saturated; the "
                                    "rest of its CPU is the request path."),
+            timeseries("Torch threads per worker",
+                       [(f"tandem_worker_threads{{{SEL}}}", per_worker)], min_=0,
+                       description="Torch threads each worker's engine steps run with: "
+                                   "--threads-per-worker, or sized to the host or the worker's Ray "
+                                   "node; a decode worker's rises while it bursts (no prefill "
+                                   "pending for it)."),
         ]),
         row("Pool latency", [
             timeseries("Queue time by role",
