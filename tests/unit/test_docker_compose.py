@@ -84,6 +84,9 @@ def test_ray_nodes_advertise_the_pool_resources(compose):
         (res,) = [a for a in args if a.startswith("--resources=")]
         assert json.loads(res.split("=", 1)[1]) == {f"tandem_{pool}": 1}
         assert "--address=ray-head:6379" in args
+        # the worker nodes share one host: each advertises a set count of Ray CPUs (its
+        # worker's torch threads), never Ray's count of the host's cores
+        assert f"--num-cpus=${{TANDEM_{pool.upper()}_CPUS:-1}}" in args
         assert svc["depends_on"]["ray-head"]["condition"] == "service_healthy"
 
 
