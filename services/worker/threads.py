@@ -53,8 +53,10 @@ def share_of_node(asked: dict[str, float], node: dict[str, float], cores: int) -
     node's custom resources admit; 1 when the worker asks for none (then nothing bounds
     how many share the node).
 
-    ``asked``: the resources Ray assigned the worker; ``node``: the node's totals. E.g. a pod of 4 CPUs advertising ``tandem_prefill: 2`` gives each of
-    its two prefill workers 2 threads.
+    ``asked``: the resources Ray assigned the worker; ``node``: the node's totals. E.g. a
+    pod of 4 CPUs advertising ``tandem_prefill: 2`` gives each of its two prefill workers
+    2 threads. Only the worker's own pool is counted: on a node that advertises both
+    pools' resources, each pool takes all of its CPUs (set ``--threads-per-worker`` there).
     """
     admits = [math.floor(node.get(name, 0.0) / amount + 1e-9) for name, amount in asked.items()
               if amount > 0 and name not in RAY_RESOURCES and ":" not in name]
