@@ -10,8 +10,8 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from services.cluster import cpu_sizing
 from services.engine.model import cpu_features
+from services.worker.threads import usable_cores
 
 PACKAGES = ("tandem", "torch", "ray", "httpx", "numpy", "matplotlib")
 
@@ -65,7 +65,7 @@ def machine() -> dict:
     """Platform, CPU model and count (the cores this process may use: its affinity, capped
     by a cgroup CPU quota), memory, load."""
     try:
-        usable = cpu_sizing.usable_cores()
+        usable = usable_cores()
     except (AttributeError, OSError):
         usable = None
     try:

@@ -48,7 +48,7 @@ class Cluster:
                  deployment: str | None = None) -> None:
         """``deployment``: run the workers as detached actors under this name, so they
         outlive the gateway and a restarted one re-attaches to them (see ``attach``)."""
-        self.config = cpu_sizing.resolve(config)  # thread counts left unset: sized to the host
+        self.config = cpu_sizing.resolve(config)  # thread counts left unset: sized to the host, or by each worker on a joined Ray cluster
         self.deployment = deployment
         self.reattached: list[str] = []
         self.placement: dict[str, placement.NodePlacement] = {}  # worker id -> its Ray node

@@ -11,7 +11,7 @@ while no prompt is being prefilled for it.
 On a Ray cluster it joins, the workers' hosts are not this one: a CPU worker left
 without a count sizes itself on its own node (``services.worker.threads.node_threads``:
 the CPUs that node advertises to Ray, shared among the workers its pool's custom resource
-admits there), and decode workers do not burst (the pools may not share a host). CUDA
+admits there), and decode workers do not burst unless set (the pools may not share a host). CUDA
 workers run 1 thread unless set.
 """
 

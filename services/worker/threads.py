@@ -19,10 +19,13 @@ with the count it started with.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 
 import torch
+
+log = logging.getLogger(__name__)
 
 CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"  # cgroup v2: "<quota> <period>" or "max <period>"
 
@@ -74,9 +77,15 @@ def node_threads() -> int | None:
     if not (ray.is_initialized() and ray.get_runtime_context().get_actor_id()):
         return None
     context = ray.get_runtime_context()
-    node_id = context.get_node_id()
-    node = next((n["Resources"] for n in ray.nodes() if n["NodeID"] == node_id), {})
-    return share_of_node(context.get_assigned_resources(), node, usable_cores())
+    try:
+        node_id = context.get_node_id()
+        node = next((n["Resources"] for n in ray.nodes() if n["NodeID"] == node_id), None)
+        if node is None:
+            raise LookupError(f"node {node_id} is not among Ray's nodes")
+        return share_of_node(context.get_assigned_resources(), node, usable_cores())
+    except Exception as e:  # noqa: BLE001 - a worker starts on one thread rather than not at all
+        log.warning("torch threads not sized on this Ray node (%s): running 1", e)
+        return 1
 
 
 class ElasticThreads:
@@ -110,4 +119,3 @@ class ElasticThreads:
             self.current = n
             self.switches += 1
         return n
-

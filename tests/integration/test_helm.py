@@ -568,7 +568,7 @@ def test_worker_groups_scale_between_their_bounds_and_drain_before_a_pod_goes():
 
 
 @pytest.mark.parametrize("cpu,num_cpus", [("2", "2"), (3, "3"), ("2.9", "2"), ("1500m", "1"),
-                                          ("250m", "1"), ("0.5", "1")])
+                                          ("250m", "1"), ("0.5", "1"), ("2500.5m", "2")])
 def test_cpu_pods_advertise_their_cpu_request_as_ray_cpus(cpu, num_cpus):
     """A CPU worker sizes its torch threads on its Ray node (the node's CPUs over the
     workers its pool's resource admits): the pod's CPU request, in whole cores, is that

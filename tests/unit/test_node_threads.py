@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.worker.threads import node_threads, share_of_node
+from services.worker.threads import node_threads, share_of_node, usable_cores
 
 
 @pytest.mark.parametrize("asked,node,cores,expected", [
@@ -28,3 +28,38 @@ def test_share_of_node(asked, node, cores, expected):
 
 def test_outside_an_actor_nothing_is_decided():
     assert node_threads() is None
+
+
+class _Context:
+    def get_actor_id(self):
+        return "actor"
+
+    def get_node_id(self):
+        return "node-a"
+
+    def get_assigned_resources(self):
+        return {"tandem_decode": 1.0}
+
+
+@pytest.mark.parametrize("nodes,expected", [
+    (lambda: [{"NodeID": "node-b", "Resources": {"CPU": 64.0, "tandem_decode": 1.0}}], 1),  # not found
+    (lambda: (_ for _ in ()).throw(ConnectionError("GCS unreachable")), 1),  # Ray's lookup fails
+])
+def test_in_an_actor_a_failed_lookup_falls_back_to_one_thread(monkeypatch, nodes, expected):
+    import ray
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "get_runtime_context", _Context)
+    monkeypatch.setattr(ray, "nodes", nodes)
+    assert node_threads() == expected
+
+
+def test_in_an_actor_the_node_is_read_from_ray(monkeypatch):
+    import ray
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "get_runtime_context", _Context)
+    monkeypatch.setattr(ray, "nodes", lambda: [
+        {"NodeID": "node-b", "Resources": {"CPU": 8.0, "tandem_decode": 1.0}},
+        {"NodeID": "node-a", "Resources": {"CPU": 2.0, "tandem_decode": 1.0}}])
+    assert node_threads() == min(2, usable_cores())  # node-a's two CPUs, not node-b's eight

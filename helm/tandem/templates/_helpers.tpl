@@ -379,7 +379,7 @@ A CPU quantity ("2", 2, "1.5", "1500m") in whole cores, rounded down, at least 1
 {{- define "tandem.wholeCpus" -}}
 {{- $q := toString . -}}
 {{- if hasSuffix "m" $q -}}
-{{- max 1 (div (int (trimSuffix "m" $q)) 1000) -}}
+{{- max 1 (div (int (float64 (trimSuffix "m" $q))) 1000) -}}
 {{- else -}}
 {{- max 1 (int (floor (float64 $q))) -}}
 {{- end -}}
