@@ -42,7 +42,7 @@ class TandemServer:
                      "--prefill-workers", str(prefill_workers), "--decode-workers", str(decode_workers),
                      "--threads-per-worker", str(threads_per_worker), "--port", str(self.port),
                      # a benchmark's pools are what it says; extra_args may turn bursts on
-                     "--decode-burst-threads", "0", *extra_args]
+                     "--decode-burst-threads", "0", "--prefill-burst-threads", "0", *extra_args]
         self._own_log = log_path is None  # a temporary log, removed after a clean stop
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="tandem-serve-",
                                                                              suffix=".log")[1])

@@ -184,7 +184,8 @@ def ttft(model: str, prompt_lens: list[int], repeats: int, threads: int) -> list
     out = []
     for name, kw in setups.items():
         cluster = Cluster(ClusterConfig(engine=engine, threads_per_worker=threads,
-                                        decode_burst_threads=0, **kw)).start()
+                                        decode_burst_threads=0, prefill_burst_threads=0,
+                                        **kw)).start()
         try:
             for n in prompt_lens:
                 firsts, seconds = [], []

@@ -26,6 +26,7 @@ from services.prefill.worker import PrefillWorker
 from services.protocol.request_path import TokenDelta
 from services.router import Router, RouterConfig
 from services.router.driver import RequestDriver
+from services.worker.decode_board import DecodeBoard
 from services.transfer.placement import pair_transports
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,11 @@ class Cluster:
                  deployment: str | None = None) -> None:
         """``deployment``: run the workers as detached actors under this name, so they
         outlive the gateway and a restarted one re-attaches to them (see ``attach``)."""
-        self.config = cpu_sizing.resolve(config)  # thread counts left unset: sized to the host, or by each worker on a joined Ray cluster
+        # thread counts left unset: sized to the host, or by each worker on a joined Ray cluster
+        self.config = cpu_sizing.resolve(config)
+        if deployment:  # detached workers outlive the board this gateway would keep for them
+            self.config = dataclasses.replace(self.config, prefill_burst_threads=0)
+        self.board: DecodeBoard | None = None  # the host's, while prefill workers burst
         self.deployment = deployment
         self.reattached: list[str] = []
         self.placement: dict[str, placement.NodePlacement] = {}  # worker id -> its Ray node
@@ -73,6 +78,20 @@ class Cluster:
 
     # -- lifecycle --------------------------------------------------------------
     def start(self, timeout_s: float = 300.0) -> Cluster:
+        if self.config.prefill_burst_threads:
+            self.board = DecodeBoard.create()
+        try:
+            return self._start(timeout_s)
+        except BaseException:
+            self._remove_board()
+            raise
+
+    def _remove_board(self) -> None:
+        if self.board is not None:
+            self.board.remove()
+            self.board = None
+
+    def _start(self, timeout_s: float) -> Cluster:
         from services.engine.model_source import resolve_model
 
         cfg = self.config
@@ -138,9 +157,10 @@ class Cluster:
             opts["resources"] = resources
         colocated = cfg.mode == "colocated"  # no prefill pool whose idle cores to take
         engine = self.engine_config(worker_id)
-        args = (worker_id, engine, cfg.prefill_nice) if prefill else (
-            worker_id, engine, cfg.transfer_timeout_s, "both" if colocated else "decode",
-            None, 0 if colocated else cfg.decode_burst_threads)  # sync None: the device's own
+        board = self.board.path if self.board else None
+        args = (worker_id, engine, cfg.prefill_nice, None, cfg.prefill_burst_threads, board) if prefill \
+            else (worker_id, engine, cfg.transfer_timeout_s, "both" if colocated else "decode",
+                  None, 0 if colocated else cfg.decode_burst_threads, board)  # sync None: the device's own
         for _ in range(50):  # a detached name is free again once its killed actor is gone
             try:
                 return ray.remote(cls).options(**opts).remote(*args)
@@ -290,6 +310,7 @@ class Cluster:
                 ray.kill(w.actor)
         self.prefill, self.decode = [], []
         self._ray.stop()
+        self._remove_board()
 
     # -- health: loads refreshed and workers healed from start-up -------------------
     async def refresh_loads(self) -> None:

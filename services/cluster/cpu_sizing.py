@@ -4,14 +4,17 @@ A CPU cluster that ``tandem serve`` starts on this host (its own Ray, no
 ``--ray-address``) runs every worker here. Unless set, each worker then gets an equal
 share of the cores this process may use (``threads_per_worker``), and each decode worker
 of a disaggregated or conditional cluster takes its share of all of them while no
-prefill is pending for it (``decode_burst_threads``, see ``services.worker.threads``):
-on 2 cores, 1 prefill + 1 decode worker run one thread each and the decode worker two
-while no prompt is being prefilled for it.
+prefill is pending for it (``decode_burst_threads``, see ``services.worker.threads``),
+and each prefill worker its share of all of them while the decode workers hold no request
+but those being prefilled (``prefill_burst_threads``, ``services.worker.decode_board``):
+on 2 cores, 1 prefill + 1 decode worker run one thread each, the decode worker two while
+no prompt is being prefilled for it, the prefill worker two while nothing decodes.
 
 On a Ray cluster it joins, the workers' hosts are not this one: a CPU worker left
 without a count sizes itself on its own node (``services.worker.threads.node_threads``:
 the CPUs that node advertises to Ray, shared among the workers its pool's custom resource
-admits there), and decode workers do not burst unless set (the pools may not share a host). CUDA
+admits there), and workers do not burst unless set (the pools may not share a host; a
+prefill worker bursts only on a cluster started here, which has the board it reads). CUDA
 workers run 1 thread unless set.
 """
 
@@ -31,19 +34,23 @@ def resolve(config: ClusterConfig, cores: int | None = None) -> ClusterConfig:
     cpu = config.engine.device == "cpu"
     local = cpu and config.ray_address is None
     cores = cores or usable_cores()
-    threads, burst = config.threads_per_worker, config.decode_burst_threads
+    threads = config.threads_per_worker
     colocated = config.mode == "colocated"
     workers = config.decode_workers + config.prefill_workers
-    decode_workers = workers if colocated else config.decode_workers
     if threads is None and local:
         threads = max(1, cores // workers)
     elif threads is None and not cpu:
         threads = 1
-    if burst is None:
-        burst = max(threads, cores // decode_workers) if local and not colocated else 0
-    if threads is not None and burst <= threads:
-        burst = 0
-    return dataclasses.replace(config, threads_per_worker=threads, decode_burst_threads=burst)
+
+    def burst(asked: int | None, pool: int) -> int:
+        if asked is None:
+            asked = max(threads, cores // pool) if local and not colocated else 0
+        return 0 if threads is not None and asked <= threads else asked
+    return dataclasses.replace(
+        config, threads_per_worker=threads,
+        decode_burst_threads=burst(config.decode_burst_threads, config.decode_workers),
+        prefill_burst_threads=0 if colocated or config.ray_address is not None else burst(
+            config.prefill_burst_threads, config.prefill_workers))
 
 
 def describe(config: ClusterConfig) -> str:
@@ -54,4 +61,6 @@ def describe(config: ClusterConfig) -> str:
         text = f"{config.threads_per_worker} torch thread(s) per worker"
     if config.decode_burst_threads:
         text += f", decode workers {config.decode_burst_threads} while no prefill is pending for them"
+    if config.prefill_burst_threads:
+        text += f", prefill workers {config.prefill_burst_threads} while nothing decodes"
     return text

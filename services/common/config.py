@@ -294,6 +294,13 @@ class ClusterConfig:
                 "prefill is pending for them, threads-per-worker otherwise (0: off; default: on "
                 "a CPU cluster started here, the usable cores shared among the decode workers; "
                 "else off)"})
+    # The same for prefill workers: more threads while the decode workers hold no request
+    # but those being prefilled (nothing decodes: their cores are idle), e.g. a lone prompt.
+    prefill_burst_threads: int | None = field(default=None, metadata={
+        "help": "disaggregated on CPU: prefill workers run this many torch threads while the "
+                "decode workers hold no request but those being prefilled, threads-per-worker "
+                "otherwise (0: off; default: on a CPU cluster started here, the usable cores "
+                "shared among the prefill workers; else off, as it needs the pools on one host)"})
     # Each pool's steps are one phase: prompts run fastest on oneDNN's blocked layout,
     # decode steps on the packed one (--cpu-weight-layout's default).
     prefill_weight_layout: str = field(default="blocked", metadata={
@@ -357,8 +364,12 @@ class ClusterConfig:
             raise ValueError(f"prefill_workers must be >= 1 in {self.mode} mode")
         if self.threads_per_worker is not None and self.threads_per_worker < 1:
             raise ValueError(f"threads_per_worker must be >= 1, got {self.threads_per_worker}")
-        if self.decode_burst_threads is not None and self.decode_burst_threads < 0:
-            raise ValueError(f"decode_burst_threads must be >= 0, got {self.decode_burst_threads}")
+        for name in ("decode_burst_threads", "prefill_burst_threads"):
+            if (value := getattr(self, name)) is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        if self.prefill_burst_threads and self.ray_address is not None:
+            raise ValueError("prefill_burst_threads needs the pools on one host: a cluster "
+                             "started here, not one joined with ray_address")
         for name, allowed in (("prefill_weight_layout", CPU_WEIGHT_LAYOUTS),
                               ("decode_weight_layout", (None, *CPU_WEIGHT_LAYOUTS))):
             if getattr(self, name) not in allowed:

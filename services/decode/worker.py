@@ -29,6 +29,7 @@ from services.protocol.request_path import DecodeRequest, TokenDelta
 from services.transfer.endpoint import make_receiver, open_channel
 from services.transfer.receiver import KVReceiver
 from services.worker.engine_worker import EngineWorker
+from services.worker.decode_board import SLOTS, DecodeBoard
 from services.worker.threads import ElasticThreads
 
 log = logging.getLogger(__name__)
@@ -59,11 +60,14 @@ class DecodeWorker(EngineWorker):
     """
 
     def __init__(self, worker_id: str, config: EngineConfig, transfer_timeout_s: float = 30.0,
-                 role: str = "decode", sync=None, burst_threads: int = 0) -> None:
+                 role: str = "decode", sync=None, burst_threads: int = 0,
+                 board: str | None = None) -> None:
         """``burst_threads``: torch threads while no remote prefill is pending for this
-        worker (``ElasticThreads``; 0: always ``config.num_threads``)."""
+        worker (``ElasticThreads``; 0: always ``config.num_threads``); ``board``: the
+        host's ``DecodeBoard``, where this worker publishes how many requests it holds."""
         super().__init__(worker_id, config, role, sync=sync)
         self.threads = ElasticThreads(self.num_threads, burst_threads)
+        self.board, self._slot = self._open_board(board, worker_id)
         self.receiver: KVReceiver | None = None
         self.rank: int | None = None
         self.transfer_timeout_s = transfer_timeout_s
@@ -77,6 +81,22 @@ class DecodeWorker(EngineWorker):
         self.feeds = Feeds(worker_id, self.loop.close_stream)
         self.kv_bytes_received = 0
         self._retune_threads()
+        if self.board is not None:
+            self.loop.between_steps = self._publish_held
+
+    @staticmethod
+    def _open_board(path: str | None, worker_id: str) -> tuple[DecodeBoard | None, int]:
+        slot = DecodeBoard.slot_of(worker_id)
+        if path is None:
+            return None, 0
+        if slot is None:  # unseen by the prefill workers, which then never take its cores
+            raise ValueError(f"{worker_id} has no slot on the decode board (at most {SLOTS} "
+                             "decode workers a host)")
+        return DecodeBoard(path), slot
+
+    def _publish_held(self, engine) -> None:
+        """On the engine thread: the requests this worker holds, for the host's prefill workers."""
+        self.board.publish(self._slot, len(engine.scheduler.seqs))
 
     def threads_now(self) -> int:
         return self.threads.current or self.threads.base
@@ -177,6 +197,8 @@ class DecodeWorker(EngineWorker):
         blocks = engine.reserve(request_id, prompt_token_ids, params)
         if blocks is None:
             return None, None
+        if self.board is not None:  # before the prefill can start: it must count this one
+            self._publish_held(engine)
         return blocks, self.sync.record_event(self.sync.current_stream())
 
     async def abort(self, request_id: str, transfer_id: str | None = None) -> None:
@@ -333,4 +355,8 @@ class DecodeWorker(EngineWorker):
     def shutdown(self) -> None:
         self.loop.stop()
         self.leave_transfer_group()
+        if self.board is not None:
+            self.loop.between_steps = None
+            self.board.publish(self._slot, 0)
+            self.board.close()
 

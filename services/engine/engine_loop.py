@@ -36,6 +36,9 @@ class EngineLoop:
     ``on_request_failed(engine, request_id)`` ends a request whose step raised
     (on the loop thread; default ``engine.abort``), for owners that must order
     the release of a request's blocks after other work (e.g. queued KV sends).
+    ``between_steps``, when set (any time: an owner sets it once its own state is
+    built), runs as ``between_steps(engine)`` on the loop thread after each round of
+    commands, before the next step or idle wait (so at least every 50 ms while idle).
     """
 
     def __init__(self, engine: LLMEngine, on_outputs: Callable[[list[EngineOutput]], None] | None = None,
@@ -49,6 +52,7 @@ class EngineLoop:
         self._on_outputs = on_outputs
         self._on_layer_done = on_layer_done
         self._on_request_failed = on_request_failed or (lambda e, rid: e.abort(rid))
+        self.between_steps: Callable[[LLMEngine], None] | None = None
         self._stop = False
         self._closed = threading.Lock()  # held while a command is queued against a live loop
         self.error: BaseException | None = None  # the loop itself died (not one request)
@@ -122,6 +126,9 @@ class EngineLoop:
         try:
             while not self._stop:
                 self._drain_commands()
+                between = self.between_steps
+                if between is not None:
+                    between(self.engine)
                 if not self.engine.has_unfinished():
                     self.snapshot = self.engine.load_snapshot()
                     self._wake.wait(timeout=0.05)

@@ -28,7 +28,9 @@ from services.transfer.channel import ChannelBrokenError
 from services.transfer.endpoint import make_sender, open_channel
 from services.transfer.layout import MIN_RUN_PLANE_BYTES
 from services.transfer.sender import SendJob, SendReport
+from services.worker.decode_board import DecodeBoard
 from services.worker.engine_worker import EngineWorker
+from services.worker.threads import ElasticThreads
 
 log = logging.getLogger(__name__)
 
@@ -49,15 +51,34 @@ class PrefillWorker(EngineWorker):
     """Wrap with ``ray.remote`` (async actor); one engine, one sender."""
 
     def __init__(self, worker_id: str, config: EngineConfig, niceness: int = 0,
-                 sync=None) -> None:
+                 sync=None, burst_threads: int = 0, board: str | None = None) -> None:
+        """``burst_threads``: torch threads while the host's decode workers hold no request
+        but this worker's own (read from ``board``, the host's ``DecodeBoard``; 0 or no
+        board: always ``config.num_threads``)."""
         super().__init__(worker_id, config, "prefill", on_layer_done=self._on_layer_done,
                          niceness=niceness, on_request_failed=self._end_on_engine, sync=sync)
+        self.threads = ElasticThreads(self.num_threads, burst_threads if board else 0)
+        self.board = DecodeBoard(board) if self.threads.enabled else None
         self.sender = None
         self._joined = False  # joined a transfer group once: without one now, it is broken
         self._descriptors: dict[str, KVTransferDescriptor] = {}
         self._by_transfer: dict[str, str] = {}  # transfer id -> request id
         self._sending: set[str] = set()  # requests whose final step ran: sends queued
         self.kv_bytes_sent = 0
+        if self.board is not None:
+            self.loop.between_steps = self._retune_threads
+
+    def threads_now(self) -> int:
+        return self.threads.current or self.threads.base
+
+    def _retune_threads(self, engine: LLMEngine) -> None:
+        """On the engine thread, before each step: burst while every request the decode
+        workers hold is one still being prefilled here (a request whose prompt is done
+        may be decoding already, its KV sends in flight or not)."""
+        remote = self._descriptors  # the remote-prefill requests: a decode worker holds each
+        sched = engine.scheduler
+        own = sum(1 for s in (*sched.waiting, *sched.running) if s.seq_id in remote)
+        self.threads.apply(max(0, self.board.total() - own))
 
     def join_transfer_group(self, transports: Mapping[int, str], world_size: int, rank: int,
                             group_name: str, timeout_ms: int = 30_000,
@@ -87,7 +108,7 @@ class PrefillWorker(EngineWorker):
 
     def counters(self) -> dict:
         sender = self.sender
-        return {"kv_bytes_sent": self.kv_bytes_sent,
+        return {"kv_bytes_sent": self.kv_bytes_sent, "thread_switches": self.threads.switches,
                 "kv_groups_in_place": sender.groups_in_place if sender else 0,
                 "kv_groups_gathered": sender.groups_gathered if sender else 0}
 
@@ -251,3 +272,6 @@ class PrefillWorker(EngineWorker):
     def shutdown(self) -> None:
         self.loop.stop()
         self.leave_transfer_group()
+        if self.board is not None:
+            self.loop.between_steps = None
+            self.board.close()

@@ -139,7 +139,7 @@ class EngineWorker:
                                       COMMAND_TIMEOUT_S)
 
     def threads_now(self) -> int:
-        """Torch threads the engine's steps run with (set at start-up)."""
+        """Torch threads the engine's steps run with (set at start-up unless elastic)."""
         return self.num_threads
 
     def stats(self) -> dict:

@@ -6,11 +6,13 @@ the gateway's: a CPU worker left without a thread count sizes itself on its own 
 pool's custom resource admits there (a Helm worker pod: its CPU request over its
 ``workersPerPod``).
 
-On a CPU host the pools share cores. A decode worker pinned to one thread leaves the
-prefill workers' cores idle whenever no prompt is being prefilled, and a decode worker
-with every core's worth of threads fights the prefill workers for them while one is.
-``ElasticThreads`` picks per moment: ``burst`` threads while no remote prefill is
-pending for this worker (none reserved whose KV has not arrived), ``base`` otherwise.
+On a CPU host the pools share cores. A worker pinned to its share leaves the other
+pool's cores idle whenever that pool has nothing to do, and a worker with every core's
+worth of threads fights the other pool for them while it has. ``ElasticThreads`` picks
+per moment: ``burst`` threads while nothing of the other pool contends, ``base``
+otherwise. For a decode worker that is while no remote prefill is pending for it (none
+reserved whose KV has not arrived); for a prefill worker, while the decode workers hold
+no request but those it is prefilling itself (``decode_board``).
 
 Thread counts in OpenMP are per calling thread, so the count is applied on the engine
 loop's thread, between steps (``EngineLoop.submit``); a step already running finishes
@@ -89,7 +91,7 @@ def node_threads() -> int | None:
 
 
 class ElasticThreads:
-    """The decode engine's thread count: ``burst`` while no prefill is pending, else ``base``.
+    """An engine's thread count: ``burst`` while nothing of the other pool contends, else ``base``.
 
     ``burst <= base`` turns it off (the count stays ``base``).
     """
@@ -107,13 +109,15 @@ class ElasticThreads:
     def enabled(self) -> bool:
         return self.burst > self.base
 
-    def wanted(self, prefill_pending: int) -> int:
-        """Threads for the next steps given how many remote prefills are pending."""
-        return self.base if prefill_pending > 0 else self.burst
+    def wanted(self, contending: int) -> int:
+        """Threads for the next steps given how many of the other pool's requests contend
+        (a decode worker: remote prefills pending for it; a prefill worker: requests the
+        decode workers hold beyond its own)."""
+        return self.base if contending > 0 else self.burst
 
-    def apply(self, prefill_pending: int) -> int:
+    def apply(self, contending: int) -> int:
         """Set the calling thread's torch thread count (call on the engine loop thread)."""
-        n = self.wanted(prefill_pending)
+        n = self.wanted(contending)
         if n != self.current:
             torch.set_num_threads(n)
             self.current = n

@@ -117,3 +117,20 @@ def test_open_streams_end_with_an_error_when_the_loop_stops():
     loop.stop()
     with pytest.raises(EngineLoopStopped):
         waiting.result(10)
+
+
+def test_between_steps_runs_on_the_loop_thread_before_every_step_and_while_idle():
+    engine = FakeEngine()
+    loop = EngineLoop(engine)
+    seen: list[tuple[int, int]] = []  # (running requests when called, calling thread)
+    try:
+        loop.between_steps = lambda e: seen.append((len(e.scheduler.running), threading.get_ident()))
+        out = _stream(loop, "a")
+        loop.call(lambda e: e.add("a"))
+        assert out.result(timeout=5).new_token_ids == [1]
+        loop.call(lambda e: None, timeout=5)  # a round later: idle calls too
+    finally:
+        loop.stop()
+    assert (1, loop._thread.ident) in seen  # right before the step that ran "a"
+    assert {thread for _, thread in seen} == {loop._thread.ident}
+    assert seen[-1][0] == 0
