@@ -431,7 +431,7 @@ def pools() -> dict:
                        description="Torch threads each worker's engine steps run with: "
                                    "--threads-per-worker, or sized to the host or the worker's Ray "
                                    "node; a decode worker's rises while it bursts (no prefill "
-                                   "pending for it)."),
+                                   "pending for it), a prefill worker's while nothing decodes."),
         ]),
         row("Pool latency", [
             timeseries("Queue time by role",

@@ -131,9 +131,10 @@ def measure(model: str, threads: int, prefill_nice: int, repeats: int, transfer:
                 ray.kill(both)
     finally:
         background = sampler.stop()
+    meta = runinfo.describe()
     out: dict[str, Any] = {
-        "schema": SCHEMA, "meta": runinfo.describe(),
-        "hardware": {"cpu": runinfo.machine()["cpu"], "cores": len(os.sched_getaffinity(0)),
+        "schema": SCHEMA, "meta": meta,
+        "hardware": {"cpu": meta["machine"]["cpu"], "cores": meta["machine"]["cpus_usable"] or os.cpu_count(),
                      "device": limits.pop("device"), "gpu": limits.pop("gpu")},
         "model": limits.pop("model"), "engine": limits,
         "worker": {"threads_per_worker": threads, "prefill_nice": prefill_nice, "weight_layouts": layouts,

@@ -129,7 +129,7 @@ def worker_metrics(role: str, worker: str,
         steps=bind(Counter(f"{PREFIX}engine_steps", "Engine steps run (each a forward pass)",
                            WORKER_LABELS, registry=r)),
         threads=bind(Gauge(f"{PREFIX}worker_threads", "Torch threads the engine's steps run with "
-                           "now (a decode worker's changes while it bursts)",
+                           "now (changes while a worker bursts into the other pool's idle cores)",
                            WORKER_LABELS, registry=r)),
     )
     return m, r
