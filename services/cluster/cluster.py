@@ -266,6 +266,8 @@ class Cluster:
         for w in dead:
             with contextlib.suppress(Exception):
                 ray.kill(w.actor, no_restart=True)
+            if self.board is not None and w in self.decode:
+                self.board.publish(self.board.slot_of(w.worker_id), 0)  # its last count is stale
             w.actor = self._actor(PrefillWorker if w in self.prefill else DecodeWorker, w.worker_id)
         ray.get([w.actor.ready.remote() for w in dead], timeout=timeout_s)
         self._locate(dead, timeout_s)
@@ -295,22 +297,24 @@ class Cluster:
     def shutdown(self, kill_workers: bool | None = None) -> None:
         """Stop; the workers are killed unless they belong to a deployment (detached:
         a restarted gateway re-attaches to them), or as ``kill_workers`` says."""
-        self._stop_refresher()
-        if self._control is not None:
-            self._control.stop()
-            self._control = None
-            self.placement = {}
-            self.publish_placement()  # forgets them all
-        if kill_workers is None:
-            kill_workers = self.deployment is None
-        for w in self.prefill + self.decode + list(self.draining.values()):
-            if not kill_workers:
-                continue
-            with contextlib.suppress(Exception):
-                ray.kill(w.actor)
-        self.prefill, self.decode = [], []
-        self._ray.stop()
-        self._remove_board()
+        try:
+            self._stop_refresher()
+            if self._control is not None:
+                self._control.stop()
+                self._control = None
+                self.placement = {}
+                self.publish_placement()  # forgets them all
+            if kill_workers is None:
+                kill_workers = self.deployment is None
+            for w in self.prefill + self.decode + list(self.draining.values()):
+                if not kill_workers:
+                    continue
+                with contextlib.suppress(Exception):
+                    ray.kill(w.actor)
+            self.prefill, self.decode = [], []
+            self._ray.stop()
+        finally:
+            self._remove_board()
 
     # -- health: loads refreshed and workers healed from start-up -------------------
     async def refresh_loads(self) -> None:

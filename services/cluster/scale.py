@@ -75,13 +75,19 @@ def _index(worker_id: str) -> int:
     return int(match.group(1)) if match else -1
 
 
+def new_worker_ids(cluster: Cluster, role: str, count: int) -> list[str]:
+    """``count`` ids for new ``role`` workers: the lowest numbers no live worker has, a
+    draining one included (its id names its metrics and its slot on the decode board)."""
+    used = {_index(w.worker_id) for w in cluster.prefill + cluster.decode
+            + list(cluster.draining.values()) if w.worker_id.startswith(role)}
+    free = (i for i in range(len(used) + count + 1) if i not in used)
+    return [f"{role}-{next(free)}" for _ in range(count)]
+
+
 def _add(cluster: Cluster, role: str, count: int, timeout_s: float) -> list[str]:
     """Start ``count`` workers, wait for them, then bring them into the group and router."""
     prefill = role == "prefill"
-    used = {_index(w.worker_id) for w in cluster.prefill + cluster.decode
-            if w.worker_id.startswith(role)}
-    free = (i for i in range(len(used) + count + 1) if i not in used)
-    ids = [f"{role}-{next(free)}" for _ in range(count)]
+    ids = new_worker_ids(cluster, role, count)
     colocated = cluster.config.mode == "colocated"
     cls, handle = (PrefillWorker, RayPrefill) if prefill else (DecodeWorker, RayDecode)
     kind = "prefill" if prefill else ("both" if colocated else "decode")

@@ -298,7 +298,7 @@ class ClusterConfig:
     # but those being prefilled (nothing decodes: their cores are idle), e.g. a lone prompt.
     prefill_burst_threads: int | None = field(default=None, metadata={
         "help": "disaggregated on CPU: prefill workers run this many torch threads while the "
-                "decode workers hold no request but those being prefilled, threads-per-worker "
+                "decode workers hold no request but the ones it is prefilling, threads-per-worker "
                 "otherwise (0: off; default: on a CPU cluster started here, the usable cores "
                 "shared among the prefill workers; else off, as it needs the pools on one host)"})
     # Each pool's steps are one phase: prompts run fastest on oneDNN's blocked layout,

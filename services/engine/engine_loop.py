@@ -38,7 +38,8 @@ class EngineLoop:
     the release of a request's blocks after other work (e.g. queued KV sends).
     ``between_steps``, when set (any time: an owner sets it once its own state is
     built), runs as ``between_steps(engine)`` on the loop thread after each round of
-    commands, before the next step or idle wait (so at least every 50 ms while idle).
+    commands, before the next step or idle wait (so at least every 50 ms while idle); it
+    must not raise: an exception there stops the loop, as a failure of the loop itself.
     """
 
     def __init__(self, engine: LLMEngine, on_outputs: Callable[[list[EngineOutput]], None] | None = None,

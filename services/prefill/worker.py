@@ -78,7 +78,10 @@ class PrefillWorker(EngineWorker):
         remote = self._descriptors  # the remote-prefill requests: a decode worker holds each
         sched = engine.scheduler
         own = sum(1 for s in (*sched.waiting, *sched.running) if s.seq_id in remote)
-        self.threads.apply(max(0, self.board.total() - own))
+        total = self.board.total()
+        # own > total: some of ours are no longer held (released, or their decode worker
+        # replaced), so the board's requests cannot be told from ours: any may be decoding
+        self.threads.apply(total - own if own <= total else total)
 
     def join_transfer_group(self, transports: Mapping[int, str], world_size: int, rank: int,
                             group_name: str, timeout_ms: int = 30_000,

@@ -7,13 +7,16 @@ decode worker publishes how many requests it holds (reserved, prefilling locally
 decoding) into its slot of a small file every worker of a cluster started here maps; a
 prefill worker compares the total with the requests it holds itself. Each of its
 requests is held by a decode worker too (blocks are reserved before the prefill starts),
-so ``total() <= own`` means the decode workers hold only requests still being prefilled
+so ``total() == own`` means the decode workers hold only requests still being prefilled
 here: nothing is decoding, and the prefill may take their cores (``ElasticThreads``).
+Where ``own`` exceeds the total (a reservation released, or its decode worker replaced,
+before the prefill here drops the request) the board's requests are counted as decoding.
 
 The gateway creates the board (``create``) and removes it when the cluster stops; a
 worker maps it by path (``DecodeBoard(path)``). Slots are int32 counts indexed by the
 decode worker's number (``decode-3``: slot 3), one writer each, read without locks: a
-torn or stale read only picks the thread count of one step.
+torn read only picks the thread count of one step. A dead decode worker's slot keeps its
+last count until the gateway replaces it (and zeroes the slot first).
 """
 
 from __future__ import annotations

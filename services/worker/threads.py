@@ -15,7 +15,8 @@ reserved whose KV has not arrived); for a prefill worker, while the decode worke
 no request but those it is prefilling itself (``decode_board``).
 
 Thread counts in OpenMP are per calling thread, so the count is applied on the engine
-loop's thread, between steps (``EngineLoop.submit``); a step already running finishes
+loop's thread, between steps (a decode worker through ``EngineLoop.submit``, a prefill
+worker through ``EngineLoop.between_steps``); a step already running finishes
 with the count it started with.
 """
 

@@ -78,6 +78,8 @@ def _engine(waiting=(), running=()):
     (1, (), (), set(), 1),  # decoding a request prefilled earlier (or locally)
     (1, (), ("a",), set(), 1),  # a prompt without a reservation is no decode worker's
     (3, (), ("a",), {"a"}, 1),  # other prefill workers' requests, or decoding ones
+    (1, (), ("a", "b"), {"a", "b"}, 1),  # one of ours released: the one shown may decode
+    (0, (), ("a",), {"a"}, 2),  # ours released and nothing else held: nothing decodes
 ])
 def test_prefill_bursts_only_while_nothing_decodes(board, decode_holds, waiting, running, remote,
                                                    threads):
