@@ -266,8 +266,6 @@ class Cluster:
         for w in dead:
             with contextlib.suppress(Exception):
                 ray.kill(w.actor, no_restart=True)
-            if self.board is not None and w in self.decode:
-                self.board.publish(self.board.slot_of(w.worker_id), 0)  # its last count is stale
             w.actor = self._actor(PrefillWorker if w in self.prefill else DecodeWorker, w.worker_id)
         ray.get([w.actor.ready.remote() for w in dead], timeout=timeout_s)
         self._locate(dead, timeout_s)

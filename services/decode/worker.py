@@ -98,9 +98,6 @@ class DecodeWorker(EngineWorker):
         """On the engine thread: the requests this worker holds, for the host's prefill workers."""
         self.board.publish(self._slot, len(engine.scheduler.seqs))
 
-    def threads_now(self) -> int:
-        return self.threads.current or self.threads.base
-
     def _retune_threads(self) -> None:
         """Queue the thread count for the pending transfers now (applied between steps)."""
         if self.threads.enabled:

@@ -68,9 +68,6 @@ class PrefillWorker(EngineWorker):
         if self.board is not None:
             self.loop.between_steps = self._retune_threads
 
-    def threads_now(self) -> int:
-        return self.threads.current or self.threads.base
-
     def _retune_threads(self, engine: LLMEngine) -> None:
         """On the engine thread, before each step: burst while every request the decode
         workers hold is one still being prefilled here (a request whose prompt is done

@@ -16,7 +16,8 @@ The gateway creates the board (``create``) and removes it when the cluster stops
 worker maps it by path (``DecodeBoard(path)``). Slots are int32 counts indexed by the
 decode worker's number (``decode-3``: slot 3), one writer each, read without locks: a
 torn read only picks the thread count of one step. A dead decode worker's slot keeps its
-last count until the gateway replaces it (and zeroes the slot first).
+last count until its replacement (the same id) publishes its own: prefill workers stay
+at their base count meanwhile.
 """
 
 from __future__ import annotations

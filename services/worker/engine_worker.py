@@ -31,7 +31,7 @@ from services.protocol.messages import CompatibilityDescriptor
 from services.transfer.endpoint import compatibility
 from services.transfer.streams import DeviceSync, make_sync
 from services.worker.device import actor_device, device_uuid
-from services.worker.threads import node_threads
+from services.worker.threads import ElasticThreads, node_threads
 
 T = TypeVar("T")
 COMMAND_TIMEOUT_S = 60.0  # the longest an engine command may wait for its turn
@@ -55,6 +55,7 @@ class EngineWorker:
             os.environ["OMP_NUM_THREADS"] = str(config.num_threads)
             torch.set_num_threads(config.num_threads)
         self.num_threads = torch.get_num_threads()
+        self.threads = ElasticThreads(self.num_threads, 0)  # a role that bursts replaces it
         device = actor_device(config.device)
         if device != "cpu":
             torch.cuda.set_device(torch.device(device))
@@ -140,7 +141,7 @@ class EngineWorker:
 
     def threads_now(self) -> int:
         """Torch threads the engine's steps run with (set at start-up unless elastic)."""
-        return self.num_threads
+        return self.threads.current or self.threads.base
 
     def stats(self) -> dict:
         return {**self.load(), "threads": self.threads_now(),

@@ -85,3 +85,20 @@ def test_colocated_workers_keep_their_threads(ray_session, checkpoint):
         assert [s["threads"] for s in stats] == [1] and stats[0]["thread_switches"] == 0
     finally:
         c.shutdown()
+
+
+def test_conditional_prefill_worker_bursts_while_nothing_decodes(ray_session, checkpoint, prompts,  # noqa: F811
+                                                                 reference):
+    """Conditional mode has the board too: local prefills on the decode worker count as
+    held there, so the prefill worker bursts only once every request is done."""
+    cores = usable_cores()
+    if cores < 2:
+        pytest.skip("one usable core: nothing to burst into")
+    c = Cluster(_config(checkpoint, mode="conditional", prefill_workers=1, decode_workers=1)).start()
+    try:
+        assert c.config.prefill_burst_threads == cores and c.board is not None
+        assert run_all(c, prompts) == reference
+        wait_all_free(c)
+        assert _prefill_settles_at(c, cores)["threads"] == cores
+    finally:
+        c.shutdown()
