@@ -190,6 +190,7 @@ class Simulation:
     def _finish_step(self, w: SimWorker) -> None:
         decodes, chunks = w.step  # type: ignore[misc]
         w.step = None
+        w.prefill_rate.observe(sum(n for _, n in chunks), self.now - w.step_started)
         for command in w.commands:
             command()
         w.commands.clear()
@@ -258,6 +259,7 @@ class Simulation:
                 for w in self.workers.values():
                     if w.step is None and w.start_step():
                         w.job.threads = self.hw.threads
+                        w.step_started = self.now
             self.frontend.threads = 1.0 if self.deliveries else 0.0
             if self.placement is not None:
                 self.placement.share(jobs, self.background, self.frontend)

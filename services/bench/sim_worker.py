@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from services.bench.cpu_share import Job
 from services.bench.perf_model import StepModel, attention_pairs
+from services.engine.prefill_rate import PrefillRate
 from services.router.worker import WorkerLoad, blocks_for
 
 
@@ -63,6 +64,8 @@ class SimWorker:
         self.commands: list[Callable[[], None]] = []
         self.step: tuple[list[SimSeq], list[tuple[SimSeq, int]]] | None = None
         self.num_steps = 0
+        self.step_started = 0.0  # simulated time its step in progress started
+        self.prefill_rate = PrefillRate()  # as its engine measures it, in simulated seconds
         # its steps' cost by ``steps`` (the per-token part left out): prompt and decode parts
         self.prefill_s = self.decode_s = 0.0
 
@@ -76,7 +79,8 @@ class SimWorker:
         queued = sum(s.prefill_left for s in self.waiting) + sum(s.prefill_left for s in self.running)
         ids = frozenset([*self.reserved, *(s.rid for s in self.running), *(s.rid for s in self.waiting)])
         return WorkerLoad(self.worker_id, self.role, True, e.num_blocks, max(0, e.num_blocks - used),
-                          e.block_size, len(self.running), len(self.waiting), queued, e.max_num_seqs, ids)
+                          e.block_size, len(self.running), len(self.waiting), queued, e.max_num_seqs, ids,
+                          self.prefill_rate.tokens_per_s)
 
     def start_step(self) -> bool:
         """Schedule a step as the engine's scheduler would; False when there is nothing to do."""

@@ -127,6 +127,7 @@ class Cluster:
             self._connect(timeout_s)
         self.router = Router(RouterConfig(
             mode=cfg.mode, local_prefill_threshold=cfg.local_prefill_threshold,
+            prefill_saturation_s=cfg.prefill_saturation_s,
             max_queued_requests=cfg.max_queued_requests, block_size=cfg.engine.cache.block_size),
             self.prefill + self.decode)
         self.driver = RequestDriver(self.router, max_attempts=cfg.max_attempts,

@@ -9,6 +9,7 @@ than the field name), ``cli=False`` / ``keyword=None`` to keep it off either.
 from __future__ import annotations
 
 import enum
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -66,6 +67,9 @@ CPU_WEIGHT_LAYOUTS = ("packed", "blocked", "plain")  # see services/engine/model
 
 # Defaults the router shares (services.router.config.RouterConfig takes them from here).
 LOCAL_PREFILL_THRESHOLD = 64
+# conditional mode: a prompt that would wait longer than this for a prefill worker's turn,
+# seconds, prefills on the decode worker instead
+PREFILL_SATURATION_S = 1.0
 MAX_QUEUED_REQUESTS = 256
 
 
@@ -338,6 +342,9 @@ class ClusterConfig:
                 "a run's layer plane averages at least N bytes; -1: never"})
     local_prefill_threshold: int = field(default=LOCAL_PREFILL_THRESHOLD, metadata={
         "help": "conditional mode: shorter prompts prefill on the decode worker"})
+    prefill_saturation_s: float = field(default=PREFILL_SATURATION_S, metadata={
+        "help": "conditional mode: prefill on the decode worker when every prefill worker's "
+                "queued prompts would take longer than this, seconds, at its measured rate"})
     max_queued_requests: int = field(default=MAX_QUEUED_REQUESTS, metadata={
         "help": "admission bound per worker; beyond it requests get 429"})
     max_attempts: int = field(default=3, metadata={"help": "tries per request across worker failures"})
@@ -358,6 +365,9 @@ class ClusterConfig:
         if self.kv_in_place_min_bytes is not None and self.kv_in_place_min_bytes < 0:
             raise ValueError(f"kv_in_place_min_bytes must be >= 0 or None, "
                              f"got {self.kv_in_place_min_bytes}")
+        if not (math.isfinite(self.prefill_saturation_s) and self.prefill_saturation_s >= 0):
+            raise ValueError(f"prefill_saturation_s must be a finite number >= 0, "
+                             f"got {self.prefill_saturation_s!r}")
         if not 0 <= self.prefill_nice <= 19:
             raise ValueError(f"prefill_nice must be in [0, 19], got {self.prefill_nice}")
         if self.prefill_workers < (0 if self.mode == "colocated" else 1):

@@ -30,6 +30,7 @@ from services.engine.model import cpu_kernels
 from services.engine.model.config import ModelConfig
 from services.engine.model.loader import load_model, resolve_dtype
 from services.engine.model_runner import ModelRunner, SampledToken
+from services.engine.prefill_rate import PrefillRate
 from services.engine.sampler import Sampler, TokenLogprob
 from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.sequence import Sequence
@@ -97,6 +98,7 @@ class LLMEngine:
         self.speculator = make_speculator(config, mc, self.scheduler.kv, num_blocks, self.dtype,
                                           self.max_model_len)
         self.num_steps = 0
+        self.prefill_rate = PrefillRate()  # prompt tokens per second of recent steps
         log.info("engine ready: %s %s on %s, %d KV blocks of %d tokens",
                  mc.architecture, self.dtype, self.device, num_blocks, cc.block_size)
 
@@ -208,8 +210,12 @@ class LLMEngine:
             hook = lambda i: on_layer_done(i, completing)  # noqa: E731
         if self.metrics is not None:
             self._observe_schedule(sched)
+        started = time.perf_counter()
         results = self.runner.execute(sched.scheduled, hook)
         self.scheduler.on_step_done(sched)
+        self.prefill_rate.observe(
+            sum(it.num_new_tokens for it in sched.scheduled if not it.seq.output_token_ids),
+            time.perf_counter() - started)
         self.num_steps += 1
         for item, sampled in zip(sched.scheduled, results):
             if sampled is not None:
@@ -353,5 +359,6 @@ class LLMEngine:
                     block_size=self.config.cache.block_size, running=len(sched.running),
                     waiting=len(sched.waiting), queued_prefill_tokens=queued,
                     max_num_seqs=self.config.scheduler.max_num_seqs,
+                    prefill_tokens_per_s=self.prefill_rate.tokens_per_s,
                     held=len(sched.prefilled) + len(sched.reserved),
                     request_ids=frozenset(sched.seqs))

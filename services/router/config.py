@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from services.common.config import LOCAL_PREFILL_THRESHOLD, MAX_QUEUED_REQUESTS, ClusterMode
+from services.common.config import (LOCAL_PREFILL_THRESHOLD, MAX_QUEUED_REQUESTS,
+                                   PREFILL_SATURATION_S, ClusterMode)
 
 DISAGGREGATED = ClusterMode.DISAGGREGATED.value
 COLOCATED = ClusterMode.COLOCATED.value
@@ -20,8 +21,10 @@ class RouterConfig:
     - ``mode``: ``"disaggregated"`` (prefill on the prefill pool), ``"colocated"``
       (one pool of ``both`` workers, no prefill worker) or ``"conditional"``
       (disaggregated, but the decode worker prefills locally when the prompt is
-      shorter than ``local_prefill_threshold`` tokens or every prefill worker
-      has more than ``prefill_saturation_tokens`` queued prefill tokens).
+      shorter than ``local_prefill_threshold`` tokens or every prefill worker is
+      saturated: its queued prompt tokens would take more than
+      ``prefill_saturation_s`` at the rate its recent steps computed them, or,
+      before it measured a rate, exceed ``prefill_saturation_tokens``).
     - ``max_queued_requests``: admission bound on each worker's waiting queue
       (reported waiting + requests the router sent that the worker has not
       reported yet); a worker at the bound takes no new request.
@@ -40,6 +43,7 @@ class RouterConfig:
 
     mode: str = DISAGGREGATED
     local_prefill_threshold: int = LOCAL_PREFILL_THRESHOLD
+    prefill_saturation_s: float = PREFILL_SATURATION_S
     prefill_saturation_tokens: int = 16384
     max_queued_requests: int = MAX_QUEUED_REQUESTS
     block_size: int = 16
@@ -61,7 +65,8 @@ class RouterConfig:
         for name in ("max_queued_requests", "block_size", "prefix_cache_blocks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("prefix_weight", "free_weight", "load_weight", "retry_after_s"):
+        for name in ("prefill_saturation_s", "prefix_weight", "free_weight", "load_weight",
+                     "retry_after_s"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")

@@ -31,8 +31,20 @@ def prefill_backlog(load: WorkerLoad, pending: Pending) -> int:
     return load.queued_prefill_tokens + pending.tokens
 
 
+def prefill_saturated(load: WorkerLoad, pending: Pending, config: RouterConfig) -> bool:
+    """Whether a prompt sent there would wait longer than ``prefill_saturation_s`` for its
+    turn (the backlog at the worker's measured rate), or, before the worker measured one,
+    whether its backlog exceeds ``prefill_saturation_tokens``."""
+    backlog = prefill_backlog(load, pending)
+    if load.prefill_tokens_per_s > 0.0:
+        return backlog > config.prefill_saturation_s * load.prefill_tokens_per_s
+    return backlog > config.prefill_saturation_tokens
+
+
 def prefill_cost(load: WorkerLoad, pending: Pending, hit_blocks: int,
-                 config: RouterConfig) -> float:
-    """Lower is better: the prefill backlog minus credit for prefix-cache hits."""
+                 config: RouterConfig, timed: bool) -> float:
+    """Lower is better: the prefill backlog minus credit for prefix-cache hits, in tokens,
+    or with ``timed`` (every candidate measured its rate) in seconds at the worker's rate."""
     credit = config.prefix_weight * hit_blocks * config.block_size
-    return prefill_backlog(load, pending) - credit
+    work = prefill_backlog(load, pending) - credit
+    return work / load.prefill_tokens_per_s if timed else work

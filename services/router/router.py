@@ -12,8 +12,8 @@ from services.router.config import COLOCATED, CONDITIONAL, DISAGGREGATED, Router
 from services.router.decision import RouteDecision
 from services.router.errors import ClusterFullError, NoWorkersError, PromptTooLargeError
 from services.router.ledger import InflightLedger, Pending
-from services.router.policy import (decode_score, effective_free_blocks, prefill_backlog,
-                                    prefill_cost, queue_length)
+from services.router.policy import (decode_score, effective_free_blocks, prefill_cost,
+                                    prefill_saturated, queue_length)
 from services.router.prefix_index import PrefixIndex
 from services.router.worker import BOTH, DECODE, PREFILL, WorkerHandle, WorkerLoad, blocks_for
 
@@ -291,17 +291,18 @@ class Router:
                 raise NoWorkersError("no alive prefill worker", cfg.retry_after_s)
             return None, reasons.LOCAL_PREFILL_UNAVAILABLE
         open_ = [c for c in pool if queue_length(c[1], c[2]) < cfg.max_queued_requests]
-        if cfg.mode == CONDITIONAL and all(
-                prefill_backlog(load, p) > cfg.prefill_saturation_tokens
-                for _, load, p in open_):
+        if cfg.mode == CONDITIONAL and all(prefill_saturated(load, p, cfg)
+                                           for _, load, p in open_):
             return None, reasons.LOCAL_PREFILL_SATURATED
         if not open_:
             raise ClusterFullError(f"all {len(pool)} prefill workers have "
                                    f"{cfg.max_queued_requests} queued requests",
                                    cfg.retry_after_s)
 
+        timed = all(load.prefill_tokens_per_s > 0.0 for _, load, _ in open_)
+
         def cost(c: tuple[WorkerHandle, WorkerLoad, Pending]) -> tuple[float, str]:
             hits = self._hits(c[0].worker_id, hashes, len(prompt))
-            return prefill_cost(c[1], c[2], hits, cfg), c[0].worker_id
+            return prefill_cost(c[1], c[2], hits, cfg, timed), c[0].worker_id
 
         return min(open_, key=cost)[0], reasons.REMOTE

@@ -26,6 +26,8 @@ class WorkerLoad:
     stops adding its own in-flight promise for a request once the request
     shows up here. A worker that leaves it empty is still routed correctly,
     only more conservatively (promises then last until ``complete``/``release``).
+    ``prefill_tokens_per_s`` is the rate its recent steps computed prompt tokens
+    at (0.0: none measured yet).
     """
 
     worker_id: str
@@ -39,6 +41,7 @@ class WorkerLoad:
     queued_prefill_tokens: int = 0
     max_num_seqs: int = 256
     request_ids: frozenset[str] = frozenset()
+    prefill_tokens_per_s: float = 0.0
 
 
 @runtime_checkable

@@ -109,6 +109,32 @@ def test_outputs_match_offline_engine(ray_session, checkpoint, prompts, referenc
         cluster.shutdown()
 
 
+def test_conditional_keeps_prompts_local_while_the_prefill_worker_has_a_backlog(
+        ray_session, checkpoint, prompts, reference):
+    """Saturation by wait: with a zero-second bound, once the prefill worker has measured
+    its rate, a prompt goes there only while nothing is queued on it; the rest prefill on
+    the decode worker. Every output still equals the offline engine's."""
+    from services.cluster.cluster import Cluster
+
+    cluster = Cluster(_config(checkpoint, mode="conditional", prefill_workers=1,
+                              decode_workers=1, local_prefill_threshold=0,
+                              prefill_saturation_s=0.0)).start()
+    try:
+        assert run_all(cluster, prompts[-1:]) == reference[-1:]
+        deadline = time.monotonic() + 10
+        while cluster.prefill[0].load().prefill_tokens_per_s == 0.0:
+            assert time.monotonic() < deadline, "the prefill worker published no rate"
+            time.sleep(0.05)
+        assert run_all(cluster, prompts) == reference
+        decisions = cluster.router.decisions
+        assert decisions["remote"] >= 2 and decisions["local_prefill_saturated"] >= 1
+        assert decisions["remote"] + decisions["local_prefill_saturated"] == len(prompts) + 1
+        for s in wait_all_free(cluster):
+            assert s["free_blocks"] == s["total_blocks"], f"{s['worker_id']} leaked blocks"
+    finally:
+        cluster.shutdown()
+
+
 def test_in_place_transfers_match_offline_engine(ray_session, checkpoint, prompts, reference):
     """Every run sent from and received into the caches in place (threshold 0), twice:
     the second wave reuses freed blocks."""

@@ -338,3 +338,19 @@ def test_add_request_refuses_an_id_that_is_reserved(tiny_model_dir):
             D.add_request("r", _prompt(5), GREEDY)
     finally:
         D.cancel_reserved("r")
+
+
+def test_the_load_snapshot_carries_the_rate_prompt_steps_ran_at(tiny_model_dir):
+    """The rate the router weighs prefill backlogs by: measured on prompt steps only."""
+    eng = _engine(tiny_model_dir, EngineRole.BOTH, max_num_batched_tokens=32)
+    assert eng.load_snapshot()["prefill_tokens_per_s"] == 0.0
+    eng.add_request("r", list(range(1, 81)), GREEDY)
+    eng.step()  # 32 of 80 prompt tokens
+    first = eng.load_snapshot()["prefill_tokens_per_s"]
+    assert first > 0.0
+    while eng.scheduler.get("r").num_uncomputed_tokens > 1:
+        eng.step()
+    after_prompt = eng.load_snapshot()["prefill_tokens_per_s"]
+    while eng.has_unfinished():
+        eng.step()  # decode steps leave it alone
+    assert eng.load_snapshot()["prefill_tokens_per_s"] == after_prompt

@@ -184,6 +184,46 @@ def test_conditional_saturated_prefill_pool_prefills_locally():
                            "local_prefill_unavailable": 0, "colocated": 0, "local_resume": 0}
 
 
+def test_conditional_saturation_is_the_wait_at_the_measured_prefill_rate():
+    """A worker that measured its rate is saturated by seconds of backlog, not by tokens."""
+    slow = FakeWorker("p0", "prefill", queued=3000)
+    slow.update(prefill_tokens_per_s=1000.0)  # 3 s of queued prompts
+    fast = FakeWorker("p1", "prefill", queued=3000)
+    fast.update(prefill_tokens_per_s=4000.0)  # 0.75 s
+    cfg = dict(local_prefill_threshold=16, prefill_saturation_s=1.0,
+               prefill_saturation_tokens=100)  # the token bound no longer applies
+    r = Router(make("conditional", **cfg), [FakeWorker("d0", "decode"), slow, fast])
+    d = r.route("r1", prompt(900), 8)
+    assert (d.prefill, d.reason) == (fast, "remote")
+    # fast's promised 900 tokens: 3,900 queued at 4,000/s is still under a second
+    assert r.route("r2", prompt(200, seed=1), 8).prefill is fast
+    # 4,100 queued: over a second on both workers
+    assert r.route("r3", prompt(64, seed=2), 8).reason == "local_prefill_saturated"
+    slow.update(queued_prefill_tokens=1000)  # 1.0 s: at the bound is not saturated
+    assert r.route("r4", prompt(64, seed=3), 8).prefill is slow
+    # disaggregated mode never keeps a prompt on the decode worker for its backlog
+    r = Router(make(**cfg), [FakeWorker("d0", "decode"), slow])
+    slow.update(queued_prefill_tokens=10**6)
+    assert r.route("r5", prompt(64, seed=4), 8).reason == "remote"
+
+
+def test_prefill_workers_rank_by_wait_once_every_one_measured_its_rate():
+    slow = FakeWorker("p0", "prefill", queued=1000)
+    slow.update(prefill_tokens_per_s=500.0)  # 2 s
+    fast = FakeWorker("p1", "prefill", queued=3000)
+    r = Router(make(), [FakeWorker("d0", "decode"), slow, fast])
+    assert r.route("r1", prompt(32), 8).prefill is slow  # fast has no rate yet: by tokens
+    r.release("r1")
+    fast.update(prefill_tokens_per_s=4000.0)  # 0.75 s
+    assert r.route("r2", prompt(32, seed=1), 8).prefill is fast
+
+
+def test_prefill_saturation_s_must_be_finite_and_non_negative():
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="prefill_saturation_s"):
+            make("conditional", prefill_saturation_s=bad)
+
+
 def test_colocated_uses_the_both_pool_and_no_prefill_worker():
     b0, b1 = FakeWorker("b0", "both", free=40), FakeWorker("b1", "both", free=60)
     others = [FakeWorker("d0", "decode", free=100), FakeWorker("p0", "prefill")]
