@@ -10,6 +10,7 @@ from services.bench.cpu_share import CorePlacement, Hardware, Job, nice_weight, 
 from services.bench.mix import Mix
 from services.bench.plan_sim import Simulation
 from services.bench.sim_worker import Engine, SimRequest
+from services.router.config import RouterConfig
 
 KV_BYTES = 1000  # per token
 
@@ -21,11 +22,11 @@ def steps(prefill_s: float = 0.1, per_token: float = 0.0, decode_base: float = 0
 
 def simulation(requests, *, prefill=1, decode=1, colocated=False, model=None, cores=8.0, budget=2048,
                transfer=TransferModel(0.005, 1e-6), threads=1, prefill_nice=0, step_s_per_token=0.0,
-               conditional=False, local_prefill=None, **hw) -> Simulation:
+               conditional=False, local_prefill=None, router=None, **hw) -> Simulation:
     return Simulation(requests, mix=Mix(prefill, decode, colocated, conditional), steps=model or steps(),
                       transfer=transfer, engine=Engine(budget, 256, 16, 100_000, KV_BYTES),
                       hardware=Hardware(cores, threads, prefill_nice, step_s_per_token=step_s_per_token, **hw),
-                      local_prefill=local_prefill)
+                      router=router, local_prefill=local_prefill)
 
 
 def simulate(requests, **kw):
@@ -261,6 +262,22 @@ def test_conditional_prefills_short_prompts_on_the_decode_worker():
     assert res.engine["prefill"][0] == 1  # the prefill worker saw the long prompt only
     assert res.engine["decode"][1] == pytest.approx(0.03)  # the short one's prompt part, on the decode worker
     assert sim.router.config.mode == "conditional"
+
+
+@pytest.mark.parametrize("bound_s, local", [(1.0, True), (2.0, False)])
+def test_conditional_prefills_locally_while_the_prefill_worker_is_a_bound_behind(bound_s, local):
+    # Each 1,024-token prompt takes the prefill worker 1.074 s (953 tok/s as it measures
+    # it). #0 goes there before any rate is known, #1 to the idle worker; #2 arrives while
+    # #1's 1,024 tokens are queued there: 1.074 s of wait, over a 1 s bound, under 2 s.
+    pool = steps(prefill_s=0.05, per_token=0.001)
+    reqs = [req(0.0, 1024, 2, 0), req(1.2, 1024, 2, 1), req(1.3, 1024, 2, 2)]
+    sim = simulation(reqs, model=pool, conditional=True, local_prefill=PrefillModel(0.5, 0.0, 0.0),
+                     router=RouterConfig(prefill_saturation_s=bound_s))
+    third = sim.run().records[2]
+    decisions = sim.router.decisions
+    assert decisions["local_prefill_saturated"] == int(local)
+    assert decisions["remote"] == 3 - int(local)
+    assert third["ttft_s"] == pytest.approx(0.5 if local else 1.2 + 2 * 1.074 - 1.3)
 
 
 def test_a_mix_needs_its_workers():
