@@ -217,7 +217,16 @@ class PrefillWorker(EngineWorker):
 
     # -- transfer (engine loop thread / sender thread) ----------------------------
     def _on_layer_done(self, layer: int, completing: list[Sequence]) -> None:
-        """On the engine thread, right after layer ``layer``'s kernels were queued."""
+        """On the engine thread, right after layer ``layer``'s kernels were queued.
+
+        Each layer group goes out as its last layer is queued, while the next layers
+        compute; except while this worker bursts: then its threads hold every core, and a
+        send (with the decode worker's receive) would preempt one of them and stall the
+        whole fork-join step, so every group waits for the step's last layer."""
+        last = layer + 1 == self.engine.model_config.num_layers
+        hold = self.threads.bursting
+        if hold and not last:
+            return
         sender = self.sender
         ready = None  # one event per layer, recorded only when a group ends here
         for seq in completing:
@@ -233,7 +242,7 @@ class PrefillWorker(EngineWorker):
                 raise RuntimeError(f"{seq.seq_id}: {len(seq.block_ids)} blocks, "
                                    f"decode reserved {n_blocks}")
             for g, group in enumerate(d.layer_groups):
-                if group.stop == layer + 1:
+                if group.stop == layer + 1 or hold:
                     if ready is None:
                         ready = self.sync.record_event(self.sync.current_stream())
                     final = g == len(d.layer_groups) - 1

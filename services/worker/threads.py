@@ -110,6 +110,11 @@ class ElasticThreads:
     def enabled(self) -> bool:
         return self.burst > self.base
 
+    @property
+    def bursting(self) -> bool:
+        """Whether the count last applied is above ``base``."""
+        return self.current is not None and self.current > self.base
+
     def wanted(self, contending: int) -> int:
         """Threads for the next steps given how many of the other pool's requests contend
         (a decode worker: remote prefills pending for it; a prefill worker: requests the
