@@ -89,7 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "token feeds, the KV send and receive threads; they share the workers' cores on one host. "
                    "0.42 with --frontend-ms-per-step 4.9: `--validate`'s request-path CPU under load fitted "
                    "over five mixes of the interference and chat presets on a 2-core x86 host (2.3-5.9 tokens "
-                   "per engine step, 1.2-2.6 ms per token in all; each mix within 5% of the fit); less when the "
+                   "per engine step, 1.2-2.6 ms per token in all; each mix within 5%% of the fit); less when the "
                    "gateway and clients run elsewhere")
     p.add_argument("--frontend-ms-per-step", type=float, default=4.9,
                    help="CPU the request path spends per engine step that streams tokens, whatever their "

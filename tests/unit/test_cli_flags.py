@@ -122,3 +122,23 @@ def test_configs_validate_choices():
     assert ClusterConfig().prefill_weight_layout == "blocked"
     assert build_config(_serve("--prefill-weight-layout", "packed")).prefill_weight_layout == "packed"
     assert dataclasses.replace(ClusterConfig(), mode="colocated", prefill_workers=0).mode is ClusterMode.COLOCATED
+
+
+def _subcommands(parser, path=()):
+    """Every (sub)command's parser, by its path of names."""
+    import argparse
+
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _subcommands(sub, (*path, name))
+
+
+def test_every_commands_help_renders():
+    """argparse formats help strings with %: a stray one breaks `--help` of that command."""
+    commands = list(_subcommands(build_parser()))
+    assert len(commands) > 5
+    for path, parser in commands:
+        text = parser.format_help()
+        assert text.startswith("usage:"), path
