@@ -63,7 +63,9 @@ class RayWorker:
         self.last_raw = raw
         fields = {k: raw[k] for k in ("alive", "total_blocks", "free_blocks", "block_size",
                                       "running", "waiting", "queued_prefill_tokens",
-                                      "max_num_seqs", "request_ids", "prefill_tokens_per_s")}
+                                      "max_num_seqs", "request_ids")}
+        # 0.0 (not measured) from a worker that does not publish it
+        fields["prefill_tokens_per_s"] = float(raw.get("prefill_tokens_per_s", 0.0))
         self._load = WorkerLoad(self.worker_id, self.role, **fields)
 
     def _translate(self, e: BaseException) -> BaseException:
