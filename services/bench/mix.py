@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from services.common.config import LOCAL_PREFILL_THRESHOLD
+from services.common.config import LOCAL_PREFILL_THRESHOLD, PREFILL_SATURATION_S
 from services.router.config import COLOCATED, CONDITIONAL, DISAGGREGATED
 
 _MIX = re.compile(r"^(?:(\d+)P\+(\d+)D(-conditional)?|colocated[x×*](\d+))$", re.IGNORECASE)
@@ -62,19 +62,35 @@ def all_mixes(max_workers: int) -> list[Mix]:
     return sorted(out, key=lambda m: (m.workers, m.colocated, -m.prefill, m.conditional))
 
 
+def conditional_args(mix: Mix, local_prefill_threshold: int = LOCAL_PREFILL_THRESHOLD,
+                     prefill_saturation_s: float = PREFILL_SATURATION_S,
+                     defaults_too: bool = False) -> list[str]:
+    """`tandem serve` flags for a conditional mix's router settings (none for other mixes):
+    those not at serve's defaults, or with ``defaults_too`` all of them."""
+    if not mix.conditional:
+        return []
+    out: list[str] = []
+    if defaults_too or local_prefill_threshold != LOCAL_PREFILL_THRESHOLD:
+        out += ["--local-prefill-threshold", str(local_prefill_threshold)]
+    if defaults_too or prefill_saturation_s != PREFILL_SATURATION_S:
+        out += ["--prefill-saturation-s", f"{prefill_saturation_s:g}"]
+    return out
+
+
 def helm_values(mix: Mix, note: str, layouts: dict[str, str] | None = None,
                 local_prefill_threshold: int = LOCAL_PREFILL_THRESHOLD,
-                threads: int | None = None) -> str:
+                threads: int | None = None,
+                prefill_saturation_s: float = PREFILL_SATURATION_S) -> str:
     """A values fragment for helm/tandem: the mode and the two worker groups' replicas (one
     worker per pod), their CPU weight layouts when ``layouts`` (the profile's) says, a
-    conditional mix's threshold where it is not `tandem serve`'s default, and with
+    conditional mix's router settings where they are not `tandem serve`'s defaults, and with
     ``threads`` (CPU workers) each pod's CPU request, which its worker runs as torch threads."""
     cpus = f'  resources:\n    requests:\n      cpu: "{threads}"\n' if threads else ""
     prefill_layout = f"  weightLayout: {layouts['prefill']}\n" if layouts else ""
     decode_layout = f"  weightLayout: {layouts['colocated' if mix.colocated else 'decode']}\n" if layouts else ""
-    threshold = (f'  extraArgs: ["--local-prefill-threshold", "{local_prefill_threshold}"]\n'
-                 if mix.conditional and local_prefill_threshold != LOCAL_PREFILL_THRESHOLD else "")
+    args = conditional_args(mix, local_prefill_threshold, prefill_saturation_s)
+    router = ("  extraArgs: [" + ", ".join(f'"{a}"' for a in args) + "]\n") if args else ""
     return (f"# {note}\n"
-            f"gateway:\n  mode: {mix.mode}\n{threshold}"
+            f"gateway:\n  mode: {mix.mode}\n{router}"
             f"prefill:\n  replicas: {0 if mix.colocated else mix.prefill}\n  workersPerPod: 1\n{prefill_layout}{cpus}"
             f"decode:\n  replicas: {mix.decode}\n  workersPerPod: 1\n{decode_layout}{cpus}")

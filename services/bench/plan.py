@@ -30,7 +30,7 @@ from services.bench.cpu_share import Hardware
 from services.bench.plan_sim import Simulation
 from services.bench.sim_worker import Engine, SimRequest
 from services.bench.profile import background_cores
-from services.common.config import LOCAL_PREFILL_THRESHOLD
+from services.common.config import LOCAL_PREFILL_THRESHOLD, PREFILL_SATURATION_S
 from services.router.config import RouterConfig
 
 SCHEMA = "tandem.plan/v1"
@@ -76,6 +76,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local-prefill-threshold", type=int, default=LOCAL_PREFILL_THRESHOLD,
                    help="conditional mixes: prompts shorter than this prefill on the decode worker (as `tandem "
                    "serve --local-prefill-threshold`)")
+    p.add_argument("--prefill-saturation-s", type=float, default=PREFILL_SATURATION_S,
+                   help="conditional mixes: a prompt prefills on the decode worker while it would wait longer "
+                   "than this on every prefill worker (as `tandem serve --prefill-saturation-s`)")
     p.add_argument("--background-cores", type=float, default=0.0,
                    help="cores other processes keep busy on the workers' host")
     p.add_argument("--keep-profile-load", action="store_true", help="use the profiled step times as measured "
@@ -155,7 +158,8 @@ def simulate(mix: Mix, args: argparse.Namespace, rates: list[float], slo: SLO, p
     # a conditional decode worker's prompts: the profile's prompt steps on the colocated
     # workers' layout, which is the decode pool's unless --decode-weight-layout set another
     local = models(prof, quiet, colocated=True)[0].prefill if mix.conditional else None
-    router = RouterConfig(local_prefill_threshold=args.local_prefill_threshold)
+    router = RouterConfig(local_prefill_threshold=args.local_prefill_threshold,
+                          prefill_saturation_s=args.prefill_saturation_s)
     runs = []
     work: dict[str, dict[str, float]] = {}  # per worker role, over every run: engine steps, their cost
     for k, rate in enumerate(rates):
@@ -262,7 +266,7 @@ def main(args: argparse.Namespace) -> int:
                 f"tandem plan: {wl.name} at {target_rate:g} req/s, SLO TTFT {slo['ttft_ms']} ms / TPOT "
                 f"{slo['tpot_ms']} ms at {slo['attainment']:.0%}: {best['label']}"),
                 prof["worker"].get("weight_layouts"), args.local_prefill_threshold,
-                threads=None if on_gpu else threads))
+                threads=None if on_gpu else threads, prefill_saturation_s=args.prefill_saturation_s))
             print(f"helm values: {args.helm_values}")
     if not args.no_plots:
         from services.bench import plots

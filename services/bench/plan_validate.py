@@ -22,6 +22,7 @@ from typing import Any
 from services.bench import runinfo
 from services.bench import serve as serve_bench
 from services.bench.metrics_math import SLO, goodput, summarize
+from services.bench.mix import conditional_args
 from services.bench.perf_model import StepModel
 from services.bench.server_cpu import (TELEMETRY_WAIT_S, engine_counters, fit_per_step_and_token, idle_cores,
                                        path_cpu_s)
@@ -110,7 +111,8 @@ def validate(args: argparse.Namespace, prof: dict[str, Any], mixes: list[Any], p
     measured, loaded, rows = [], [], []
     for mix, pred in zip(mixes, predicted):
         load_before = runinfo.machine()["load_avg_at_start"]
-        local = [f"--local-prefill-threshold={args.local_prefill_threshold}"] if mix.conditional else []
+        local = conditional_args(mix, args.local_prefill_threshold, args.prefill_saturation_s,
+                                 defaults_too=True)
         server = TandemServer(model, mode=mix.mode,
                               prefill_workers=0 if mix.colocated else mix.prefill, decode_workers=mix.decode,
                               threads_per_worker=threads, extra_args=extra + local,

@@ -78,9 +78,11 @@ class SimWorker:
                                                  for s in self.running)
         queued = sum(s.prefill_left for s in self.waiting) + sum(s.prefill_left for s in self.running)
         ids = frozenset([*self.reserved, *(s.rid for s in self.running), *(s.rid for s in self.waiting)])
-        return WorkerLoad(self.worker_id, self.role, True, e.num_blocks, max(0, e.num_blocks - used),
-                          e.block_size, len(self.running), len(self.waiting), queued, e.max_num_seqs, ids,
-                          self.prefill_rate.tokens_per_s)
+        return WorkerLoad(self.worker_id, self.role, alive=True, total_blocks=e.num_blocks,
+                          free_blocks=max(0, e.num_blocks - used), block_size=e.block_size,
+                          running=len(self.running), waiting=len(self.waiting),
+                          queued_prefill_tokens=queued, max_num_seqs=e.max_num_seqs, request_ids=ids,
+                          prefill_tokens_per_s=self.prefill_rate.tokens_per_s())
 
     def start_step(self) -> bool:
         """Schedule a step as the engine's scheduler would; False when there is nothing to do."""

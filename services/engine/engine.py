@@ -210,12 +210,14 @@ class LLMEngine:
             hook = lambda i: on_layer_done(i, completing)  # noqa: E731
         if self.metrics is not None:
             self._observe_schedule(sched)
+        # prompt tokens as load_snapshot queues them (a mixed step's decodes are charged
+        # to its prompt tokens: only prefill workers' rates steer the router)
+        prompt = sum(it.num_new_tokens for it in sched.scheduled
+                     if it.seq.num_uncomputed_tokens > 1)
         started = time.perf_counter()
         results = self.runner.execute(sched.scheduled, hook)
         self.scheduler.on_step_done(sched)
-        self.prefill_rate.observe(
-            sum(it.num_new_tokens for it in sched.scheduled if not it.seq.output_token_ids),
-            time.perf_counter() - started)
+        self.prefill_rate.observe(prompt, time.perf_counter() - started, torch.get_num_threads())
         self.num_steps += 1
         for item, sampled in zip(sched.scheduled, results):
             if sampled is not None:
@@ -359,6 +361,6 @@ class LLMEngine:
                     block_size=self.config.cache.block_size, running=len(sched.running),
                     waiting=len(sched.waiting), queued_prefill_tokens=queued,
                     max_num_seqs=self.config.scheduler.max_num_seqs,
-                    prefill_tokens_per_s=self.prefill_rate.tokens_per_s,
+                    prefill_tokens_per_s=self.prefill_rate.tokens_per_s(torch.get_num_threads()),
                     held=len(sched.prefilled) + len(sched.reserved),
                     request_ids=frozenset(sched.seqs))

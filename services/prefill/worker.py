@@ -64,6 +64,7 @@ class PrefillWorker(EngineWorker):
         self._descriptors: dict[str, KVTransferDescriptor] = {}
         self._by_transfer: dict[str, str] = {}  # transfer id -> request id
         self._sending: set[str] = set()  # requests whose final step ran: sends queued
+        self._hold_sends = False  # this step's layer groups wait for its last layer
         self.kv_bytes_sent = 0
         if self.board is not None:
             self.loop.between_steps = self._retune_threads
@@ -223,9 +224,10 @@ class PrefillWorker(EngineWorker):
         compute; except while this worker bursts: then its threads hold every core, and a
         send (with the decode worker's receive) would preempt one of them and stall the
         whole fork-join step, so every group waits for the step's last layer."""
-        last = layer + 1 == self.engine.model_config.num_layers
-        hold = self.threads.bursting
-        if hold and not last:
+        if layer == 0:  # one answer for the whole step (the count changes between steps)
+            self._hold_sends = self.threads.bursting
+        hold = self._hold_sends
+        if hold and layer + 1 < self.engine.model_config.num_layers:
             return
         sender = self.sender
         ready = None  # one event per layer, recorded only when a group ends here

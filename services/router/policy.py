@@ -41,10 +41,11 @@ def prefill_saturated(load: WorkerLoad, pending: Pending, config: RouterConfig) 
     return backlog > config.prefill_saturation_tokens
 
 
-def prefill_cost(load: WorkerLoad, pending: Pending, hit_blocks: int,
+def prefill_cost(load: WorkerLoad, pending: Pending, prompt_tokens: int, hit_blocks: int,
                  config: RouterConfig, timed: bool) -> float:
-    """Lower is better: the prefill backlog minus credit for prefix-cache hits, in tokens,
-    or with ``timed`` (every candidate measured its rate) in seconds at the worker's rate."""
+    """Lower is better: the prompt tokens the worker computes before this prompt's first
+    token (its backlog, then the prompt less credit for prefix-cache hits), or with
+    ``timed`` (every candidate measured its rate) the seconds they take at its rate."""
     credit = config.prefix_weight * hit_blocks * config.block_size
-    work = prefill_backlog(load, pending) - credit
+    work = prefill_backlog(load, pending) + max(0.0, prompt_tokens - credit)
     return work / load.prefill_tokens_per_s if timed else work

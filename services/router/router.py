@@ -303,6 +303,6 @@ class Router:
 
         def cost(c: tuple[WorkerHandle, WorkerLoad, Pending]) -> tuple[float, str]:
             hits = self._hits(c[0].worker_id, hashes, len(prompt))
-            return prefill_cost(c[1], c[2], hits, cfg, timed), c[0].worker_id
+            return prefill_cost(c[1], c[2], len(prompt), hits, cfg, timed), c[0].worker_id
 
         return min(open_, key=cost)[0], reasons.REMOTE

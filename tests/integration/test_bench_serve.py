@@ -195,7 +195,7 @@ def test_plan_validate_measures_a_started_server_and_its_cpu(tiny_model_dir, tmp
     assert len(served) == 2 and all("--cpu-weight-layout=plain --prefill-weight-layout=plain "
                                     "--decode-weight-layout=blocked" in line for line in served), served
     assert "--mode colocated" in served[0]
-    assert "--mode conditional" in served[1] and "--local-prefill-threshold=16" in served[1]
+    assert "--mode conditional" in served[1] and "--local-prefill-threshold 16 --prefill-saturation-s 1" in served[1]
     # both simulated sequences were measured, pooled per rate as the simulation pools them
     measured = json.loads((out / "measured-colocated×1-results.json").read_text())
     (run,) = measured["runs"]

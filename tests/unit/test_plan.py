@@ -96,6 +96,10 @@ def test_helm_values_set_the_worker_groups():
     assert yaml.safe_load(helm_values(Mix(2, 1), "note", local_prefill_threshold=200)) == disagg
     lower = yaml.safe_load(helm_values(Mix(2, 1, conditional=True), "note", local_prefill_threshold=200))
     assert lower["gateway"] == {"mode": "conditional", "extraArgs": ["--local-prefill-threshold", "200"]}
+    both = yaml.safe_load(helm_values(Mix(2, 1, conditional=True), "note", local_prefill_threshold=200,
+                                      prefill_saturation_s=2.5))
+    assert both["gateway"]["extraArgs"] == ["--local-prefill-threshold", "200",
+                                            "--prefill-saturation-s", "2.5"]
     assert (colo["prefill"]["replicas"], colo["decode"]["replicas"]) == (0, 3)
     # CPU workers: each pod requests the planned threads, which its worker runs
     sized = yaml.safe_load(helm_values(Mix(2, 1), "note", threads=2))

@@ -73,3 +73,17 @@ def test_at_its_base_count_an_elastic_worker_streams_layer_by_layer(worker):
     assert not worker.threads.bursting
     assert [layer for layer, *_ in _run_step(worker)] == list(
         range(worker.engine.model_config.num_layers))
+
+
+def test_the_count_at_the_first_layer_holds_for_the_whole_step(worker):
+    """Were the count read at every layer, a change mid-step would skip or repeat groups."""
+    worker.threads = ElasticThreads(1, 2)
+    worker.threads.current = 2
+    seq = SimpleNamespace(seq_id="r", block_ids=[5])
+    layers = worker.engine.model_config.num_layers
+    for layer in range(layers):
+        worker.sender.layer = layer
+        worker._on_layer_done(layer, [seq])
+        worker.threads.current = 1  # from the second layer on it would read "not bursting"
+    assert [group for _, group, *_ in worker.sender.jobs] == list(range(layers))
+    assert {layer for layer, *_ in worker.sender.jobs} == {layers - 1}

@@ -200,6 +200,7 @@ def test_conditional_saturation_is_the_wait_at_the_measured_prefill_rate():
     # 4,100 queued: over a second on both workers
     assert r.route("r3", prompt(64, seed=2), 8).reason == "local_prefill_saturated"
     slow.update(queued_prefill_tokens=1000)  # 1.0 s: at the bound is not saturated
+    fast.update(queued_prefill_tokens=40000)
     assert r.route("r4", prompt(64, seed=3), 8).prefill is slow
     # disaggregated mode never keeps a prompt on the decode worker for its backlog
     r = Router(make(**cfg), [FakeWorker("d0", "decode"), slow])
@@ -216,6 +217,11 @@ def test_prefill_workers_rank_by_wait_once_every_one_measured_its_rate():
     r.release("r1")
     fast.update(prefill_tokens_per_s=4000.0)  # 0.75 s
     assert r.route("r2", prompt(32, seed=1), 8).prefill is fast
+    r.release("r2")
+    # both idle: the faster computes the prompt itself sooner, whatever the ids say
+    slow.update(queued_prefill_tokens=0)
+    fast.update(queued_prefill_tokens=0)
+    assert r.route("r3", prompt(320, seed=2), 8).prefill is fast
 
 
 def test_prefill_saturation_s_must_be_finite_and_non_negative():
