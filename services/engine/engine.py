@@ -210,14 +210,13 @@ class LLMEngine:
             hook = lambda i: on_layer_done(i, completing)  # noqa: E731
         if self.metrics is not None:
             self._observe_schedule(sched)
-        # prompt tokens as load_snapshot queues them (a mixed step's decodes are charged
-        # to its prompt tokens: only prefill workers' rates steer the router)
-        prompt = sum(it.num_new_tokens for it in sched.scheduled
-                     if it.seq.num_uncomputed_tokens > 1)
         started = time.perf_counter()
         results = self.runner.execute(sched.scheduled, hook)
         self.scheduler.on_step_done(sched)
-        self.prefill_rate.observe(prompt, time.perf_counter() - started, torch.get_num_threads())
+        # a mixed step's decodes are charged to its prompt tokens: only prefill workers'
+        # rates steer the router
+        self.prefill_rate.observe(sched.num_prompt_tokens, time.perf_counter() - started,
+                                  torch.get_num_threads())
         self.num_steps += 1
         for item, sampled in zip(sched.scheduled, results):
             if sampled is not None:

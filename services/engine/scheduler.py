@@ -45,6 +45,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     finished: list[Sequence] = field(default_factory=list)  # out of cache capacity
+    # tokens of the scheduled chunks that still had prompt to compute (more than the one
+    # token a decode computes), as load_snapshot queues them
+    num_prompt_tokens: int = 0
 
     @property
     def num_batched_tokens(self) -> int:
@@ -165,6 +168,8 @@ class Scheduler:
                 budget -= 1 + len(draft)
             elif self._allocate_or_preempt(seq, n, done, out):
                 out.scheduled.append(ScheduledSeq(seq, n))
+                if seq.num_uncomputed_tokens > 1:
+                    out.num_prompt_tokens += n
                 done.add(seq.seq_id)
                 budget -= n
         if not out.preempted:
@@ -215,6 +220,8 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
+            if seq.num_uncomputed_tokens > 1:
+                out.num_prompt_tokens += n
             budget -= n
 
     def on_step_done(self, out: SchedulerOutput) -> None:

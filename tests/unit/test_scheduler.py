@@ -51,6 +51,23 @@ def test_chunked_prefill_respects_budget_and_decodes_go_first():
     assert items[1].seq.output_token_ids == [7], "last chunk samples"
 
 
+def test_a_step_counts_its_prompt_tokens_apart_from_its_decodes():
+    """The engine's prompt rate divides these by the step's time."""
+    s = _sched(max_num_batched_tokens=10)
+    s.add(_seq(0, 3, max_tokens=10))
+    out = s.schedule()
+    assert out.num_prompt_tokens == 3  # a waiting prompt, admitted whole
+    s.on_step_done(out)
+    out.scheduled[0].seq.output_token_ids.append(7)
+    s.add(_seq(1, 25))
+    out = s.schedule()  # r0 decodes 1, r1 takes a 9-token chunk
+    assert [i.num_new_tokens for i in out.scheduled] == [1, 9] and out.num_prompt_tokens == 9
+    s.on_step_done(out)
+    out.scheduled[0].seq.output_token_ids.append(7)
+    out = s.schedule()  # r1 continues from the running list
+    assert [i.num_new_tokens for i in out.scheduled] == [1, 9] and out.num_prompt_tokens == 9
+
+
 def test_unchunked_prefill_waits_for_room():
     s = _sched(max_num_batched_tokens=10, enable_chunked_prefill=False)
     s.add(_seq(0, 6))
