@@ -33,7 +33,7 @@ from services.engine.model_runner import ModelRunner, SampledToken
 from services.engine.prefill_rate import PrefillRate
 from services.engine.sampler import Sampler, TokenLogprob
 from services.engine.scheduler import Scheduler, SchedulerOutput
-from services.engine.sequence import Sequence
+from services.engine.sequence import Sequence, SequenceStatus
 from services.engine.spec.speculator import make_speculator
 from services.text.tokenizer import Tokenizer
 
@@ -311,6 +311,14 @@ class LLMEngine:
                   out: torch.Tensor | None = None) -> torch.Tensor:
         """Gather blocks of a layer range into one contiguous tensor (see PagedKVCache)."""
         return self.kv_cache.gather(block_ids, layers, out)
+
+    def hold(self, request_id: str) -> None:
+        """Prefill role: stop scheduling a running request but keep its blocks (sends of
+        its KV may still read them) until ``release``."""
+        seq = self.scheduler.get(request_id)
+        if seq is not None and seq.status == SequenceStatus.RUNNING:
+            seq.finish_reason = FinishReason.ABORT
+            self.scheduler.hold_prefilled(seq)
 
     def release(self, request_id: str) -> None:
         """Prefill role: free a held request once its KV has been sent (or given up)."""

@@ -4,7 +4,9 @@ It computes a prompt's KV, samples token #1 from its own logits and returns it
 at once (TTFT does not wait for the transfer); meanwhile each layer group's
 KV, complete as soon as that group's forward finishes, is pushed to the
 blocks the decode worker reserved. The request's blocks are freed when the
-last group's send completed on the device or the send failed.
+last group's send completed on the device or the send failed; a step that
+stops between groups abandons the transfer behind the groups already queued,
+so no send reads blocks that were freed.
 
 On CUDA each group's send waits (device-side) for an event recorded on the
 compute stream right after the group's last layer was queued, so the engine
@@ -63,7 +65,9 @@ class PrefillWorker(EngineWorker):
         self._joined = False  # joined a transfer group once: without one now, it is broken
         self._descriptors: dict[str, KVTransferDescriptor] = {}
         self._by_transfer: dict[str, str] = {}  # transfer id -> request id
-        self._sending: set[str] = set()  # requests whose final step ran: sends queued
+        # requests whose final group (or its abandonment) is queued: the send's report frees them
+        self._sending: set[str] = set()
+        self._streaming: set[str] = set()  # requests with groups queued, their final one not yet
         self._hold_sends = False  # this step's layer groups wait for its last layer
         self.kv_bytes_sent = 0
         if self.board is not None:
@@ -197,8 +201,20 @@ class PrefillWorker(EngineWorker):
 
     def _end_on_engine(self, e: LLMEngine, request_id: str) -> EngineOutput | None:
         """End a request on the engine thread; blocks with sends queued are freed by the
-        sender's completion instead, so no send reads blocks another request owns."""
+        sender's completion instead, so no send reads blocks another request owns. A
+        request whose step stopped between its layer groups has its transfer abandoned
+        behind the groups already queued."""
+        if request_id in self._streaming:
+            self._streaming.discard(request_id)
+            self._sending.add(request_id)
+            d = self._descriptors[request_id]
+            if self.sender is None:
+                self._on_sent(SendReport(d.transfer_id, False, "no transfer group", 0, 0.0))
+            else:
+                self.sender.abandon(d.transfer_id, d.dst_rank,
+                                    f"{request_id}'s prefill step failed")
         if request_id in self._sending:
+            e.hold(request_id)  # not run again; the report's release frees it
             return None
         d = self._descriptors.pop(request_id, None)
         if d is not None:
@@ -249,7 +265,10 @@ class PrefillWorker(EngineWorker):
                         ready = self.sync.record_event(self.sync.current_stream())
                     final = g == len(d.layer_groups) - 1
                     if final:
+                        self._streaming.discard(seq.seq_id)
                         self._sending.add(seq.seq_id)
+                    else:
+                        self._streaming.add(seq.seq_id)
                     sender.submit(SendJob(
                         transfer_id=d.transfer_id, dst_rank=d.dst_rank,
                         src_block_ids=seq.block_ids[:n_blocks], layers=group.layers,
@@ -272,10 +291,9 @@ class PrefillWorker(EngineWorker):
             self._by_transfer.pop(report.transfer_id, None)
             self._descriptors.pop(rid, None)
             self._sending.discard(rid)
-            e.release(rid)  # held for export since its first token
-            # or still scheduled: a step that ran it failed after its sends were queued
-            # (``_end_on_engine`` left it to this release); it would end held, by nobody
-            out = e.abort(rid)
+            self._streaming.discard(rid)
+            e.release(rid)  # held for export since its first token, or since its step failed
+            out = e.abort(rid)  # should it still be scheduled: never left held by nobody
             if out is not None:
                 self.loop.dispatch([out])
         self.loop.submit(release)

@@ -50,6 +50,11 @@ class SendJob:
     with_checksum: bool = False
     dst_block_ids: Sequence[int] = ()  # the decode side's blocks; () = always gather
     ready: Any = None  # event after which the group's KV is complete (None: it is)
+    abandon: str | None = None  # no KV: end the transfer failed, after its queued groups
+
+
+class TransferAbandoned(RuntimeError):
+    """The prefill step stopped between a transfer's groups; the rest will never come."""
 
 
 @dataclass
@@ -117,6 +122,13 @@ class KVSender:
             self._open.add(tid)
         self._deliver(SendReport(tid, False, "sender closed", 0, 0.0))  # the group is gone
 
+    def abandon(self, transfer_id: str, dst_rank: int, reason: str) -> None:
+        """End a transfer whose later groups will never be submitted: it is reported failed
+        once the groups queued before this call are off the device (they still read the
+        source blocks, so those must not be freed sooner)."""
+        self.submit(SendJob(transfer_id, dst_rank, (), range(0), -1, final=True,
+                            abandon=reason))
+
     def close(self, wait_s: float = 10.0) -> None:
         """Stop after the queued jobs (which fail fast once peers have left), waiting up
         to ``wait_s``. Every transfer submitted is still reported once, even one whose
@@ -158,6 +170,10 @@ class KVSender:
             stream = self.channel.stream(job.dst_rank)
         except ValueError as e:  # not a peer of this rank: nothing was queued for it
             self._fail(job, e, 0, None)
+            return
+        if job.abandon is not None:
+            _, sent = self._progress.get(tid) or (None, 0)
+            self._fail(job, TransferAbandoned(job.abandon), sent, self._event_after(job))
             return
         with sync.use(stream):
             if job.ready is not None:

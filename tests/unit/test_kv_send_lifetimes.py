@@ -334,3 +334,79 @@ def test_an_abort_queued_behind_a_busy_engine_leaves_a_later_attempt_alone(tiny_
     finally:
         hold.set()
         worker.shutdown()
+
+
+def test_a_step_that_fails_between_layer_groups_frees_its_blocks_after_the_queued_sends(
+        tiny_model_dir):
+    """Group 0 of the prompt's KV is queued (and being sent) when the step raises at a
+    later layer. The blocks it reads stay held until that send ends: freed at once, a
+    later request could write them while the send reads. The transfer is reported failed
+    once, and nothing is held after."""
+    import asyncio
+
+    from services.common.sampling_params import SamplingParams
+    from services.prefill.worker import PrefillFailedError
+    from services.protocol.messages import KVTransferDescriptor
+    from services.protocol.request_path import PrefillRequest
+
+    worker, channel = _prefill_worker_with_gated_sends(tiny_model_dir)
+    layers = worker.engine.model_config.num_layers
+    assert layers >= 2
+    on_layer_done = worker.loop._on_layer_done
+
+    def failing_after_group_0(layer, completing):
+        on_layer_done(layer, completing)
+        if layer == 0 and completing:
+            worker.loop._on_layer_done = on_layer_done
+            raise RuntimeError("layer 1 failed")
+    worker.loop._on_layer_done = failing_after_group_0
+    pool = worker.engine.block_pool
+
+    async def main():
+        with pytest.raises(PrefillFailedError, match="layer 1 failed"):
+            await worker.prefill(PrefillRequest(
+                "r", tuple(range(3, 23)), SamplingParams(temperature=0.0), KVTransferDescriptor(
+                    request_id="r", transfer_id="r#0", block_ids=(3, 4),
+                    layer_groups=((0, 1), (1, layers)), src_rank=0, dst_rank=1,
+                    num_prompt_tokens=20)))
+        assert channel.sending.is_set()  # group 0 is still being sent
+        await asyncio.sleep(0.3)  # a step that would run it again has had its chance
+        assert pool.num_free < pool.num_blocks, "freed while a send reads them"
+        assert worker.transfer_failures == 0 and "r" in worker._sending
+        channel.gate.set()  # group 0's send ends (failed); the abandonment follows it
+        await _until_released(worker)
+
+    try:
+        asyncio.run(main())
+        assert worker.loop.failed_steps == 1 and worker.transfer_failures == 1
+        _assert_nothing_held(worker)
+    finally:
+        channel.gate.set()
+        worker.shutdown()
+
+
+def test_an_abandoned_transfer_is_reported_after_its_queued_groups():
+    channel = GatedChannel()
+    sender, reports = _sender(channel)
+    sender.submit(_job("t", 0, final=False))
+    assert channel.sending.wait(30)
+    sender.abandon("t", 1, "step failed")
+    assert reports.empty()  # group 0 is still sending
+    channel.gate.set()
+    report = reports.get(timeout=30)
+    assert (report.transfer_id, report.ok) == ("t", False)
+    sender.close()
+    assert _drain(reports) == []
+
+
+def test_an_abandoned_transfer_of_a_healthy_peer_reports_the_abandonment():
+    channel = GatedChannel()
+    channel.send = lambda data, dst_rank: None  # group 0 goes out fine
+    sender, reports = _sender(channel)
+    sender.submit(_job("t", 0, final=False))
+    sender.abandon("t", 1, "step failed")
+    report = reports.get(timeout=30)
+    assert (report.transfer_id, report.ok) == ("t", False)
+    assert report.error == "TransferAbandoned: step failed"
+    sender.close()
+    assert _drain(reports) == []
