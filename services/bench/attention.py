@@ -10,7 +10,7 @@ Prompts (``--prompt N``): each row is a chunk of N query tokens at the end of it
 ``--context``; prompt attention is bound by compute, so the native kernel is timed
 against the torch path it replaces (gather the blocks, masked SDPA), interleaved
 A B A B in one process, as medians and GFLOP/s; with a bf16 cache on a CPU with AMX,
-also the bf16 SDPA that the engine runs prompts with there.
+also the native AMX kernel the engine runs prompts with there and torch's bf16 SDPA.
 """
 
 from __future__ import annotations
@@ -124,8 +124,9 @@ def _prompt(args: argparse.Namespace, kernels: CpuKernels) -> int:
     sides = {"native": TorchPagedAttention(d ** -0.5, kernels=kernels, amx_prompts=False),
              "torch": TorchPagedAttention(d ** -0.5, amx_prompts=False)}
     if dtype == torch.bfloat16 and cpu_features.has_amx_bf16():
-        sides["bf16 SDPA (AMX)"] = TorchPagedAttention(d ** -0.5, kernels=kernels,
-                                                       amx_prompts=True)
+        if kernels.prefill_supported(d, amx=True):
+            sides["AMX kernel"] = TorchPagedAttention(d ** -0.5, kernels=kernels, amx_prompts=True)
+        sides["bf16 SDPA (AMX)"] = TorchPagedAttention(d ** -0.5, amx_prompts=True)
     times: dict[str, list[float]] = {name: [] for name in sides}
     for i in range(args.repeats + 1):
         for name, attend in sides.items():

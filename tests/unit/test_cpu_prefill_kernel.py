@@ -1,7 +1,8 @@
-"""The native prefill attention kernel against gather + masked SDPA: prompt chunks of
+"""The native prefill attention kernels against gather + masked SDPA: prompt chunks of
 several sequences in one call (their own starts, lengths and scattered blocks), causal
-and sliding-window masks, grouped and plain heads, fp32 and bf16 caches, and the
-attention backend choosing it for prompt groups."""
+and sliding-window masks, grouped and plain heads, fp32 and bf16 caches (and the AMX
+kernel over bf16 caches, where the CPU has AMX), and the attention backend choosing
+them for prompt groups."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ kernels = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler on this machine")
 needs_kernel = pytest.mark.skipif(kernels is None or not kernels.prefill_supported(64),
                                   reason="no AVX-512 or AVX2 + FMA on this machine")
+has_amx_kernel = kernels is not None and kernels.prefill_supported(64, amx=True)
+needs_amx = pytest.mark.skipif(not has_amx_kernel, reason="no AMX-BF16 on this machine")
 
 
 def _case(heads, kv_heads, d, dtype, block_size, starts, lens, seed=0):
@@ -76,6 +79,7 @@ def test_the_avx2_build_matches_gather_and_sdpa(avx2, dtype):
     """Built for AVX2 + FMA (x86-64-v3: vectors of 8 lanes) the kernel matches the reference
     as this CPU's build does, so a host with AVX-512 checks the AVX2 path too."""
     assert avx2.prefill_supported(40) and not avx2.prefill_supported(36)
+    assert not avx2.prefill_supported(64, amx=True)  # no AMX in x86-64-v3: the stub says so
     for heads, kv_heads, d in [(9, 3, 64), (8, 2, 40), (4, 4, 8)]:
         for window in (None, 23):
             _check_against_reference(avx2, heads, kv_heads, d, dtype, window)
@@ -119,6 +123,43 @@ def test_paged_prefill_refuses_what_it_cannot_compute():
                               k_cache, v_cache, table, None, 1.0)
 
 
+@needs_amx
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 128), (8, 1, 32), (6, 2, 96),
+                                              (8, 2, 256)])
+@pytest.mark.parametrize("window", [None, 23, 300])
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_the_amx_kernel_matches_gather_and_sdpa_within_bf16_rounding(heads, kv_heads, d, window,
+                                                                      block_size):
+    """Whole prompts and later chunks (one far into its sequence, past a key tile) of five
+    sequences in one call; queries and probabilities are rounded to bf16 for the products,
+    so the outputs are close to the fp32 math over the same cache, not equal."""
+    starts, lens = [0, 37, 5, 0, 300], [150, 64, 1, 17, 333]
+    q, k_cache, v_cache, table, first_rows = _case(heads, kv_heads, d, torch.bfloat16,
+                                                   block_size, starts, lens, seed=d)
+    out = torch.full_like(q, float("nan"))
+    kernels.paged_prefill(q, out, first_rows, torch.tensor(starts), torch.tensor(lens),
+                          k_cache, v_cache, table, window, d ** -0.5, amx=True)
+    ref = torch.cat(reference_prefill(q, k_cache, v_cache, table, first_rows.tolist(), starts,
+                                      lens, window, d ** -0.5))
+    torch.testing.assert_close(out[1:-1], ref, atol=1.5e-2, rtol=1.5e-2)
+    assert (out[1:-1] - ref).abs().mean() < 2e-3  # rounding, not a wrong key here and there
+    assert out[0].isnan().all() and out[-1].isnan().all()
+
+
+@needs_amx
+def test_the_amx_kernel_refuses_what_it_cannot_compute():
+    assert kernels.prefill_supported(32, amx=True) and not kernels.prefill_supported(80, amx=True)
+    one, eight = torch.tensor([0]), torch.tensor([8])
+    q, k_cache, v_cache, table, first_rows = _case(4, 2, 80, torch.bfloat16, 16, [0], [8])
+    with pytest.raises(ValueError, match="on AMX does not run head size 80"):
+        kernels.paged_prefill(q, torch.empty_like(q), first_rows, one, eight, k_cache, v_cache,
+                              table, None, 1.0, amx=True)
+    q, k_cache, v_cache, table, first_rows = _case(4, 2, 64, torch.float32, 16, [0], [8])
+    with pytest.raises(ValueError, match="bf16 cache"):
+        kernels.paged_prefill(q, torch.empty_like(q), first_rows, one, eight, k_cache, v_cache,
+                              table, None, 1.0, amx=True)
+
+
 def _chunk_case():
     """A prompt chunk of 64 tokens at position 37 of its sequence, as the runner groups it."""
     heads, kv_heads, d, bs = 9, 3, 64, 16
@@ -153,7 +194,7 @@ def test_the_backend_takes_the_kernel_for_prompt_groups_and_matches_sdpa(monkeyp
 def test_the_backend_keeps_sdpa_where_the_cpu_cannot_run_the_kernel(monkeypatch):
     q, k, v, k_cache, v_cache, meta = _chunk_case()
     calls = []
-    monkeypatch.setattr(kernels, "prefill_supported", lambda head_dim: False)
+    monkeypatch.setattr(kernels, "prefill_supported", lambda head_dim, amx=False: False)
     monkeypatch.setattr(kernels, "paged_prefill", _counting(kernels.paged_prefill, calls))
     out = TorchPagedAttention(0.125, kernels=kernels)(q, k, v, k_cache.clone(), v_cache.clone(),
                                                       meta)
@@ -164,9 +205,10 @@ def test_the_backend_keeps_sdpa_where_the_cpu_cannot_run_the_kernel(monkeypatch)
 
 @pytest.mark.parametrize("chunk", [False, True])
 def test_prompts_over_a_bf16_cache_attend_in_bf16_where_the_cpu_has_amx(monkeypatch, chunk):
-    """With ``amx_prompts`` a prompt group over a bf16 cache is one bf16 SDPA (the native
-    kernel is not called); its output stays within bf16 rounding of the fp32 math over the
-    same cache, for a whole prompt (causal) and a later chunk (masked)."""
+    """With ``amx_prompts`` a prompt group over a bf16 cache computes in bf16: the native AMX
+    kernel where this CPU runs it, else one bf16 SDPA (the native kernel is not called).
+    Either way its output stays within bf16 rounding of the fp32 math over the same cache,
+    for a whole prompt (causal) and a later chunk (masked)."""
     if chunk:
         q, k, v, k_cache, v_cache, meta = _chunk_case()
     else:
@@ -184,11 +226,15 @@ def test_prompts_over_a_bf16_cache_attend_in_bf16_where_the_cpu_has_amx(monkeypa
     monkeypatch.setattr(kernels, "paged_prefill", _counting(kernels.paged_prefill, calls))
     amx = TorchPagedAttention(0.125, kernels=kernels, amx_prompts=True)(
         q, k, v, k_cache.clone(), v_cache.clone(), meta)
-    assert calls == [] and amx.dtype == torch.float32
+    assert len(calls) == (1 if has_amx_kernel else 0) and amx.dtype == torch.float32
     fp32 = TorchPagedAttention(0.125, amx_prompts=False)(q, k, v, k_cache.clone(),
                                                         v_cache.clone(), meta)
     torch.testing.assert_close(amx, fp32, atol=2e-2, rtol=2e-2)
     assert (amx - fp32).abs().max() > 0  # computed in bf16, not the fp32 path again
+    if has_amx_kernel:  # and torch's bf16 SDPA, without the kernels, agrees as closely
+        sdpa = TorchPagedAttention(0.125, amx_prompts=True)(q, k, v, k_cache.clone(),
+                                                           v_cache.clone(), meta)
+        torch.testing.assert_close(amx, sdpa, atol=2e-2, rtol=2e-2)
 
 
 def _counting(fn, calls):

@@ -3,7 +3,7 @@
 ``AttentionBackend`` is the seam where a kernel plugs in. ``TorchPagedAttention``
 is the CPU path: the native kernels (``cpu_kernels.py``, reading blocks in place)
 for decode groups and, where the CPU has AVX-512 or AVX2 + FMA, prompt groups, when
-they are loaded (with AMX, prompts over a bf16 cache take a bf16 SDPA); SDPA over
+they are loaded (with AMX, prompts over a bf16 cache take the AMX kernel); SDPA over
 gathered blocks otherwise. ``TritonPagedAttention``
 (``triton_attention.py``) is the CUDA path, reading blocks in place for every
 step kind. The runner builds ``AttentionMetadata`` once per step, in the form
@@ -100,10 +100,11 @@ class TorchPagedAttention:
     one for prompt chunks (where the CPU and head size allow; SDPA otherwise).
 
     With ``amx_prompts`` (default: the CPU has AMX bf16 tiles), prompt groups of at least
-    ``AMX_MIN_QUERY`` rows over a bf16 cache are one bf16 SDPA instead: torch's bf16
-    kernel runs its products on AMX, 1.3-2x the native kernel's fp32 math (2.3-2.7x SDPA
-    over widened keys) on prompts of 256-4,096 tokens. Shorter groups (speculative
-    verify rows, short chunks) keep the native kernel, which reads blocks in place.
+    ``AMX_MIN_QUERY`` rows over a bf16 cache run their products in bf16 on AMX: the native
+    AMX kernel where it is loaded (reading blocks in place; 1.4-1.7x torch's bf16 SDPA
+    over gathered blocks, 2-2.2x the native fp32 math, on prompts of 256-4,096 tokens),
+    else one bf16 SDPA. Shorter groups (speculative verify rows, short chunks) keep the
+    native fp32 kernel.
     """
 
     uses_varlen = False
@@ -135,10 +136,10 @@ class TorchPagedAttention:
                                           g.block_table, g.last_pos, self.sliding_window,
                                           self.scale)
                 continue
-            if native and not amx and self.kernels.prefill_supported(head_dim):
+            if native and self.kernels.prefill_supported(head_dim, amx):
                 self.kernels.paged_prefill(q, out, g.first_row, g.first_pos, g.query_len,
                                            k_cache, v_cache, g.block_table,
-                                           self.sliding_window, self.scale)
+                                           self.sliding_window, self.scale, amx)
                 continue
             # SDPA over the gathered blocks: in bf16 on the AMX tiles, else in q's dtype
             o = self._group(q, k_cache, v_cache, g,

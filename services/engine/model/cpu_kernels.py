@@ -47,10 +47,15 @@ class CpuKernels:
             fn.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64,
                            _i64, _i64, _i64, _i64, _i64, _f32]
             self._prefill[dtype] = fn
+        self._prefill_amx = lib.tandem_paged_prefill_amx
+        self._prefill_amx.restype = ctypes.c_int
+        self._prefill_amx.argtypes = self._prefill[torch.bfloat16].argtypes
         self._prefill_supported = lib.tandem_paged_prefill_supported
-        self._prefill_supported.restype = ctypes.c_int
-        self._prefill_supported.argtypes = [_i64]
-        self._prefill_heads: dict[int, bool] = {}
+        self._prefill_amx_supported = lib.tandem_paged_prefill_amx_supported
+        for fn in (self._prefill_supported, self._prefill_amx_supported):
+            fn.restype = ctypes.c_int
+            fn.argtypes = [_i64]
+        self._prefill_heads: dict[tuple[int, bool], bool] = {}
         self._int8_linear = lib.tandem_int8_linear_f32
         self._int8_linear.restype = ctypes.c_int
         self._int8_linear.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]
@@ -142,18 +147,20 @@ class CpuKernels:
         if rc != 0:
             raise MemoryError("paged_decode could not allocate its scratch buffers")
 
-    def prefill_supported(self, head_dim: int) -> bool:
+    def prefill_supported(self, head_dim: int, amx: bool = False) -> bool:
         """Whether ``paged_prefill`` runs here: AVX-512 and a head size a multiple of 16, or
-        AVX2 + FMA and a multiple of 8."""
-        known = self._prefill_heads.get(head_dim)
+        AVX2 + FMA and a multiple of 8; with ``amx``, AMX-BF16 tiles (granted to this
+        process) and a multiple of 32 up to 256."""
+        known = self._prefill_heads.get((head_dim, amx))
         if known is None:
-            known = self._prefill_heads[head_dim] = bool(self._prefill_supported(head_dim))
+            check = self._prefill_amx_supported if amx else self._prefill_supported
+            known = self._prefill_heads[(head_dim, amx)] = bool(check(head_dim))
         return known
 
     def paged_prefill(self, q: torch.Tensor, out: torch.Tensor, first_rows: torch.Tensor,
                       first_positions: torch.Tensor, num_queries: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                      window: int | None, scale: float) -> None:
+                      window: int | None, scale: float, amx: bool = False) -> None:
         """Causal attention of prompt chunks over their paged keys, writing ``out``.
 
         Sequence ``b`` has ``num_queries[b]`` queries at token rows ``first_rows[b] ..``
@@ -163,6 +170,8 @@ class CpuKernels:
         ``first_rows, first_positions, num_queries [B]`` int64;
         ``k_cache, v_cache [blocks, block_size, KVH, D]`` fp32 or bf16;
         ``block_table [B, max_blocks]`` int64. Needs ``prefill_supported(D)``.
+        ``amx``: a bf16 cache, its products on AMX tiles (queries and probabilities rounded to
+        bf16 for them, as torch's bf16 SDPA does); needs ``prefill_supported(D, amx=True)``.
         """
         _check_f32(out)
         _check_kv(k_cache, v_cache)
@@ -177,9 +186,12 @@ class CpuKernels:
                 == block_table.shape[:1]:
             raise ValueError("paged_prefill needs one first row, position, count and table row "
                              "per sequence")
-        if not self.prefill_supported(head_dim):
-            raise ValueError(f"paged_prefill does not run head size {head_dim} on this CPU")
-        rc = self._prefill[k_cache.dtype](
+        if amx and k_cache.dtype != torch.bfloat16:
+            raise ValueError("paged_prefill on AMX needs a bf16 cache")
+        if not self.prefill_supported(head_dim, amx):
+            raise ValueError(f"paged_prefill{' on AMX' if amx else ''} does not run head size "
+                             f"{head_dim} on this CPU")
+        rc = (self._prefill_amx if amx else self._prefill[k_cache.dtype])(
             q.data_ptr(), q.stride(0), out.data_ptr(), first_rows.data_ptr(),
             first_positions.data_ptr(), num_queries.data_ptr(), num_queries.shape[0],
             k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(), block_table.shape[1],

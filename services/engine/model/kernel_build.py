@@ -15,7 +15,7 @@ from services.common.cache_dir import cache_dir
 from services.engine.model import cpu_features
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("paged_decode.c", "paged_prefill.c", "fused_ops.c", "int8_linear.c", "gemv.c",
+SOURCES = ("paged_decode.c", "paged_prefill.c", "paged_prefill_amx.c", "fused_ops.c", "int8_linear.c", "gemv.c",
            "packed_linear.c", "argmax.c", "decode_stack.c", "top_candidates.c",
            "inverse_cdf.c")
 HEADERS = ("kernels.h", "gemv_avx2.h", "packed_avx2.h", "silu.h", "vexp.h", "vexp512.h", "team.h",
