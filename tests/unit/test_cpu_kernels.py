@@ -221,3 +221,13 @@ def test_a_failed_build_falls_back_to_none(monkeypatch, tmp_path, caplog):
         assert "torch path" in caplog.text
     finally:
         cpu_kernels.load.cache_clear()
+
+
+def test_every_kernel_source_is_built_and_keys_the_cache():
+    """A source left out of SOURCES is never compiled; a header left out of HEADERS does not
+    key the cached library, so editing it would keep loading the old build."""
+    from services.engine.model import kernel_build
+
+    listed = set(kernel_build.SOURCES) | set(kernel_build.HEADERS)
+    present = {p.name for p in kernel_build.CSRC.iterdir() if p.suffix in (".c", ".h")}
+    assert listed == present

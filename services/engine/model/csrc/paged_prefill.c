@@ -35,22 +35,12 @@
 #include "team.h"
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include "prefill_tasks.h"
 #include "prefill_vec.h"
 
 #define KT 64  /* keys per tile */
 #define JB 4   /* keys per score micro-kernel */
 #define DB 6   /* dims per value micro-kernel (the last call of a row chunk takes D % DB) */
-
-typedef struct {
-    int64_t seq, kv_head, first, count;  /* query rows first .. first + count - 1 of seq */
-    int64_t keys;                        /* keys it attends (sort key: biggest first) */
-} tandem_prefill_task;
-
-static int tandem_prefill_task_order(const void *a, const void *b) {
-    const int64_t ka = ((const tandem_prefill_task *)a)->keys;
-    const int64_t kb = ((const tandem_prefill_task *)b)->keys;
-    return (ka < kb) - (ka > kb);
-}
 
 /* Positions per task: M = QT * G rows a multiple of 128 where that keeps QT in 16..64 (each
  * key tile then serves two or more full 64-row chunks). */

@@ -5,11 +5,12 @@
  * probabilities for the value product, each product accumulated in fp32, as torch's bf16
  * SDPA computes them.
  *
- * One task per (sequence, kv head, QT positions): M = QT * G score rows (row m = i * G + g
- * is position i of the task, query head kv_head * G + g), in blocks of 16 rows (a tile's
- * rows). Per tile of AKT keys, K is packed once into the score product's pair-interleaved
- * layout (Kp[d / 2][key][2]: a 16 x 16 transpose of 32-bit pairs) and V into the value
- * product's (Vp[key / 2][d][2]); then for each block of rows that reaches the tile:
+ * First every sequence's keys, per tile of AKT keys and kv head, are packed once into the
+ * score product's pair-interleaved layout (Kp[d / 2][key][2]: a 16 x 16 transpose of
+ * 32-bit pairs) and its values into the value product's (Vp[key / 2][d][2]) (amx_tiles.h).
+ * Then one task per (sequence, kv head, QT positions): M = QT * G score rows (row m = i * G
+ * + g is position i of the task, query head kv_head * G + g), in blocks of 16 rows (a
+ * tile's rows); for each key tile and each block of rows that reaches it:
  *   S [16][AKT] = Q K^T        (four accumulator tiles, D / 32 steps each)
  *   online softmax per row     (fp32; scale, causal/window mask, running max and sum;
  *                               the row's O rescaled by its factor; P rounded to bf16)
@@ -24,156 +25,22 @@
 
 #include "team.h"
 
+#define TANDEM_AMX_PREFILL                                                                     \
+    int tandem_paged_prefill_amx(                                                              \
+        const float *q, int64_t q_stride, float *out, const int64_t *row0, const int64_t *pos0,  \
+        const int64_t *num_queries, int64_t num_seqs, const uint16_t *k_cache,                 \
+        const uint16_t *v_cache, const int64_t *block_table, int64_t table_stride,             \
+        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,         \
+        int64_t window, float scale)
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
     defined(__AVX512BW__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#include "transpose16.h"
+#include "amx_tiles.h"
+#include "prefill_tasks.h"
 #include "vexp512.h"
-
-#define AKT 256         /* keys per tile: each row's reductions and rescale once per tile */
-#define ARB 16          /* score rows per block: a tile's rows */
-#define AMX_MAX_D 256
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tandem_tile_config;
-
-typedef struct {
-    int64_t seq, kv_head, first, count;  /* positions first .. first + count - 1 of seq */
-    int64_t keys;                        /* keys they attend (sort key: biggest first) */
-} tandem_amx_task;
-
-/* Linux hands out the tile state only on request, once per process. */
-static int tandem_amx_permitted(void) {
-    static int state;  /* 0 unknown, 1 granted, -1 refused */
-    if (state == 0)
-        state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-    return state == 1;
-}
 
 int tandem_paged_prefill_amx_supported(int64_t head_dim) {
     return head_dim % 32 == 0 && head_dim <= AMX_MAX_D && tandem_amx_permitted();
-}
-
-static void tandem_amx_configure(void) {  /* every tile 16 rows x 64 bytes */
-    tandem_tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; ++t) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
-    _tile_loadconfig(&cfg);
-}
-
-static int tandem_amx_task_order(const void *a, const void *b) {
-    const int64_t ka = ((const tandem_amx_task *)a)->keys, kb = ((const tandem_amx_task *)b)->keys;
-    return (ka < kb) - (ka > kb);
-}
-
-/* Kp [D / 2][AKT] 32-bit pairs: Kp[dp][j] = the pair (K[j][2 dp], K[j][2 dp + 1]); keys
- * from nk on are zero. */
-static void tandem_pack_keys(uint32_t *kp, const uint16_t *const *krow, int64_t nk, int64_t D) {
-    for (int64_t j0 = 0; j0 < AKT; j0 += 16)
-        for (int64_t p0 = 0; p0 < D / 2; p0 += 16) {
-            __m512 r[16];
-            for (int i = 0; i < 16; ++i)
-                r[i] = j0 + i < nk ? _mm512_loadu_ps((const float *)(krow[j0 + i] + 2 * p0))
-                                   : _mm512_setzero_ps();
-            tandem_transpose16(r);
-            for (int i = 0; i < 16; ++i) _mm512_storeu_ps((float *)(kp + (p0 + i) * AKT + j0), r[i]);
-        }
-}
-
-/* Vp [AKT / 2][D][2]: Vp[jp][d] = (V[2 jp][d], V[2 jp + 1][d]); keys from nk on are zero. */
-static void tandem_pack_values(uint16_t *vp, const uint16_t *const *vrow, int64_t nk, int64_t D) {
-    __m512i lo_idx, hi_idx;
-    {
-        uint16_t lo[32], hi[32];
-        for (int i = 0; i < 32; ++i) {
-            lo[i] = (uint16_t)((i & 1 ? 32 : 0) + (i >> 1));
-            hi[i] = (uint16_t)(lo[i] + 16);
-        }
-        lo_idx = _mm512_loadu_si512(lo);
-        hi_idx = _mm512_loadu_si512(hi);
-    }
-    for (int64_t jp = 0; jp < AKT / 2; ++jp) {
-        const int64_t a = 2 * jp, b = a + 1;
-        for (int64_t d0 = 0; d0 < D; d0 += 32) {
-            const __m512i va = a < nk ? _mm512_loadu_si512(vrow[a] + d0) : _mm512_setzero_si512();
-            const __m512i vb = b < nk ? _mm512_loadu_si512(vrow[b] + d0) : _mm512_setzero_si512();
-            uint16_t *dst = vp + (jp * D + d0) * 2;
-            _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(va, lo_idx, vb));
-            _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi16(va, hi_idx, vb));
-        }
-    }
-}
-
-/* S [16][64 nch] = Q[r0 ..] K^T over the packed tile's first 64 nch keys, four
- * accumulator tiles of 16 keys at a time. */
-static inline void tandem_amx_scores(const uint16_t *qb, const uint32_t *kp, float *s, int64_t D,
-                                     int64_t nch) {
-    for (int64_t ch = 0; ch < nch; ++ch) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t dc = 0; dc < D / 32; ++dc) {
-            const uint32_t *b = kp + dc * 16 * AKT + ch * 64;
-            _tile_loadd(4, qb + dc * 32, D * 2);
-            _tile_loadd(5, b, AKT * 4);
-            _tile_dpbf16ps(0, 4, 5);
-            _tile_loadd(5, b + 16, AKT * 4);
-            _tile_dpbf16ps(1, 4, 5);
-            _tile_loadd(5, b + 32, AKT * 4);
-            _tile_dpbf16ps(2, 4, 5);
-            _tile_loadd(5, b + 48, AKT * 4);
-            _tile_dpbf16ps(3, 4, 5);
-        }
-        float *sc = s + ch * 64;
-        _tile_stored(0, sc, AKT * 4);
-        _tile_stored(1, sc + 16, AKT * 4);
-        _tile_stored(2, sc + 32, AKT * 4);
-        _tile_stored(3, sc + 48, AKT * 4);
-    }
-}
-
-/* O[r0 ..][d0 .. d0 + 16 nt) += P V over the packed tile (nt: 2 or 4 tiles of 16 dims). */
-static inline void tandem_amx_values(const uint16_t *p, const uint16_t *vp, float *o, int64_t D,
-                                     int64_t d0, int nt, int key_halves) {
-    _tile_loadd(0, o + d0, D * 4);
-    _tile_loadd(1, o + d0 + 16, D * 4);
-    if (nt > 2) {
-        _tile_loadd(2, o + d0 + 32, D * 4);
-        _tile_loadd(3, o + d0 + 48, D * 4);
-    }
-    for (int kc = 0; kc < key_halves; ++kc) {
-        const uint16_t *b = vp + (kc * 16 * D + d0) * 2;
-        _tile_loadd(4, p + kc * 32, AKT * 2);
-        _tile_loadd(5, b, D * 4);
-        _tile_dpbf16ps(0, 4, 5);
-        _tile_loadd(5, b + 32, D * 4);
-        _tile_dpbf16ps(1, 4, 5);
-        if (nt > 2) {
-            _tile_loadd(5, b + 64, D * 4);
-            _tile_dpbf16ps(2, 4, 5);
-            _tile_loadd(5, b + 96, D * 4);
-            _tile_dpbf16ps(3, 4, 5);
-        }
-    }
-    _tile_stored(0, o + d0, D * 4);
-    _tile_stored(1, o + d0 + 16, D * 4);
-    if (nt > 2) {
-        _tile_stored(2, o + d0 + 32, D * 4);
-        _tile_stored(3, o + d0 + 48, D * 4);
-    }
 }
 
 /* Online softmax of the block's 16 rows over keys k0 .. k0 + 16 nv - 1: P (bf16) from S,
@@ -253,7 +120,7 @@ static void tandem_amx_pack(uint32_t *kp, uint16_t *vp, const uint16_t *k_cache,
     tandem_pack_values(vp, vrow, nk, D);
 }
 
-static void tandem_amx_task_run(const tandem_amx_task *tk, const float *q, int64_t q_stride,
+static void tandem_amx_task_run(const tandem_prefill_task *tk, const float *q, int64_t q_stride,
                                 float *out, const int64_t *row0, const int64_t *pos0,
                                 const tandem_amx_packed *pk, int64_t H, int64_t KVH, int64_t D,
                                 int64_t window, float scale, const tandem_amx_scratch *w) {
@@ -307,41 +174,29 @@ static void tandem_amx_task_run(const tandem_amx_task *tk, const float *q, int64
     }
 }
 
-/* Positions per task: about 128 score rows, a multiple of 16 positions. */
+/* Positions per task: about 256 score rows, a multiple of 16 positions. */
 static int64_t tandem_amx_positions(int64_t G) {
     const int64_t qt = 256 / G / 16 * 16;
     return qt < 16 ? 16 : qt;
 }
 
-int tandem_paged_prefill_amx(const float *q, int64_t q_stride, float *out, const int64_t *row0,
-                             const int64_t *pos0, const int64_t *num_queries, int64_t num_seqs,
-                             const uint16_t *k_cache, const uint16_t *v_cache,
-                             const int64_t *block_table, int64_t table_stride, int64_t num_heads,
-                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                             int64_t window, float scale) {
+TANDEM_AMX_PREFILL {
     if (!tandem_paged_prefill_amx_supported(head_dim)) return -2;
     const int64_t G = num_heads / num_kv_heads, D = head_dim, KVH = num_kv_heads;
     const int64_t QT = tandem_amx_positions(G), Mmax = QT * G;  /* a multiple of 16 */
-    int64_t num_tasks = 0;
-    for (int64_t b = 0; b < num_seqs; ++b) num_tasks += KVH * ((num_queries[b] + QT - 1) / QT);
-    tandem_amx_task *tasks = malloc(sizeof(tandem_amx_task) * (num_tasks > 0 ? num_tasks : 1));
+    int64_t num_tasks;
+    tandem_prefill_task *tasks = tandem_prefill_tasks(pos0, num_queries, num_seqs, KVH, QT, window,
+                                                      &num_tasks);
     tandem_amx_packed pk = {NULL, NULL, malloc(sizeof(int64_t) * (num_seqs + 1)),
                             malloc(sizeof(int64_t) * (num_seqs > 0 ? num_seqs : 1))};
     int failed = tasks == NULL || pk.first == NULL || pk.tile0 == NULL;
-    int64_t n = 0, tiles = 0;
+    int64_t tiles = 0;
     for (int64_t b = 0; !failed && b < num_seqs; ++b) {
         const int64_t lo = window > 0 && pos0[b] - window + 1 > 0 ? pos0[b] - window + 1 : 0;
         const int64_t keys = num_queries[b] > 0 ? pos0[b] + num_queries[b] : 0;
         pk.first[b] = tiles;
         pk.tile0[b] = lo / AKT;
         tiles += keys > 0 ? (keys + AKT - 1) / AKT - lo / AKT : 0;
-        for (int64_t first = 0; first < num_queries[b]; first += QT)
-            for (int64_t kh = 0; kh < KVH; ++kh) {
-                const int64_t count = num_queries[b] - first < QT ? num_queries[b] - first : QT;
-                const int64_t last = pos0[b] + first + count - 1, p = pos0[b] + first;
-                const int64_t klo = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
-                tasks[n++] = (tandem_amx_task){b, kh, first, count, last - klo + 1};
-            }
     }
     if (!failed) {
         pk.first[num_seqs] = tiles;
@@ -349,7 +204,6 @@ int tandem_paged_prefill_amx(const float *q, int64_t q_stride, float *out, const
         pk.vp = aligned_alloc(64, (size_t)(tiles > 0 ? tiles : 1) * KVH * D * AKT * 2);
         failed = pk.kp == NULL || pk.vp == NULL;
     }
-    if (!failed) qsort(tasks, (size_t)num_tasks, sizeof *tasks, tandem_amx_task_order);
     const int64_t packs = failed ? 0 : tiles * KVH;
     const size_t bytes = (size_t)(Mmax * D * 2 + ARB * AKT * 2 + Mmax * D * 4 + ARB * AKT * 4 +
                                   3 * Mmax * 4);
@@ -369,7 +223,7 @@ int tandem_paged_prefill_amx(const float *q, int64_t q_stride, float *out, const
         }
         char *buf = packs > 0 ? aligned_alloc(64, (bytes + 64 * 16 + 63) / 64 * 64) : NULL;
         if (packs > 0 && buf == NULL) failed = 1;
-        tandem_amx_scratch w;
+        tandem_amx_scratch w = {0};
         if (buf != NULL) {  /* each piece on its own 64-byte lines */
             char *at = buf;
 #define TANDEM_TAKE(field, type, count)                                                        \
@@ -404,12 +258,7 @@ int tandem_paged_prefill_amx(const float *q, int64_t q_stride, float *out, const
 
 #else  /* no AMX-BF16: callers keep the other paths (this is never called) */
 int tandem_paged_prefill_amx_supported(int64_t head_dim) { (void)head_dim; return 0; }
-int tandem_paged_prefill_amx(const float *q, int64_t q_stride, float *out, const int64_t *row0,
-                             const int64_t *pos0, const int64_t *num_queries, int64_t num_seqs,
-                             const uint16_t *k_cache, const uint16_t *v_cache,
-                             const int64_t *block_table, int64_t table_stride, int64_t num_heads,
-                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                             int64_t window, float scale) {
+TANDEM_AMX_PREFILL {
     return -2;
 }
 #endif

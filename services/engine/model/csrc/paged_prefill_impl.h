@@ -152,20 +152,10 @@ int NAME(const float *q, int64_t q_stride, float *out, const int64_t *row0, cons
          float scale) {
     const int64_t G = num_heads / num_kv_heads, D = head_dim, QT = tandem_prefill_positions(G);
     const int64_t Mp_max = (QT * G + VL - 1) / VL * VL;
-    int64_t num_tasks = 0;
-    for (int64_t b = 0; b < num_seqs; ++b) num_tasks += num_kv_heads * ((num_queries[b] + QT - 1) / QT);
-    tandem_prefill_task *tasks = malloc(sizeof(tandem_prefill_task) * (num_tasks > 0 ? num_tasks : 1));
+    int64_t num_tasks;
+    tandem_prefill_task *tasks = tandem_prefill_tasks(pos0, num_queries, num_seqs, num_kv_heads, QT,
+                                                      window, &num_tasks);
     if (tasks == NULL) return -1;
-    int64_t n = 0;
-    for (int64_t b = 0; b < num_seqs; ++b)
-        for (int64_t first = 0; first < num_queries[b]; first += QT)
-            for (int64_t kh = 0; kh < num_kv_heads; ++kh) {
-                const int64_t count = num_queries[b] - first < QT ? num_queries[b] - first : QT;
-                const int64_t last = pos0[b] + first + count - 1, p = pos0[b] + first;
-                const int64_t lo = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
-                tasks[n++] = (tandem_prefill_task){b, kh, first, count, last - lo + 1};
-            }
-    qsort(tasks, (size_t)num_tasks, sizeof *tasks, tandem_prefill_task_order);
     /* per thread: Q^T, O^T, S^T, K and V tiles, max, sum, alpha, tile max, positions */
     const size_t floats = (size_t)(2 * D * Mp_max + KT * Mp_max + 2 * KT * D + D + 5 * Mp_max);
     int failed = 0;
