@@ -230,7 +230,8 @@ class EngineConfig:
         "choices": CPU_WEIGHT_LAYOUTS,
         "help": "CPU weights (the offline engine, colocated workers, the decode pool by "
                 "default): packed (fp32 on AVX-512 or AVX2: one native kernel for every step, decode "
-                "steps through all layers in one native call; else blocked), blocked "
+                "steps through all layers in one native call; bf16 on AMX-BF16: a native kernel on "
+                "the AMX tiles for every step; else blocked), blocked "
                 "(oneDNN's layout) or plain (oneDNN, and the native GEMV for decode steps of up "
                 "to 16 rows in fp32, 2 in bf16)"})
     cpu_kernels: bool = field(default=True, metadata={
@@ -310,7 +311,7 @@ class ClusterConfig:
     prefill_weight_layout: str = field(default="blocked", metadata={
         "choices": CPU_WEIGHT_LAYOUTS,
         "help": "CPU, disaggregated or conditional: the prefill pool's weight layout (blocked: "
-                "the faster for prompts)"})
+                "the faster for prompts in fp32; in bf16 on AMX, packed is)"})
     decode_weight_layout: str | None = field(default=None, metadata={
         "choices": CPU_WEIGHT_LAYOUTS,
         "help": "CPU, disaggregated or conditional: the decode pool's weight layout (default: "

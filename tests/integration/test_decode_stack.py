@@ -12,6 +12,7 @@ from services.engine import LLM, SamplingParams
 from services.engine.model import cpu_features, cpu_kernels, packed_linear
 from services.engine.model.cpu_kernels import GEMV_MAX_ROWS
 from services.engine.model.decode_stack import DecodeStack
+from services.engine.model.onednn import AMX
 from tests.hf_models import write_hf_checkpoint
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler on this machine")
@@ -84,8 +85,9 @@ def test_no_stack_where_it_cannot_run(checkpoints):
     assert _engine(checkpoints["qwen3"], "float32").engine.runner.model.decode_stack is None  # q/k norms
     assert _engine(checkpoints["llama3"], "float32", "blocked").engine.runner.model.decode_stack is None
     if cpu_features.has_native_bf16():
-        bf16 = _engine(checkpoints["llama3"], "bfloat16", "packed").engine.runner.model  # blocked then
-        assert bf16.layers[0].qkv_proj.blocked and bf16.decode_stack is None
+        bf16 = _engine(checkpoints["llama3"], "bfloat16", "packed").engine.runner.model
+        # bf16 packed: the AMX layout (its own kernel a layer at a time) or blocked
+        assert bf16.layers[0].qkv_proj.layout in (AMX, "blocked") and bf16.decode_stack is None
     no_kernels = LLM(str(checkpoints["llama3"]), num_threads=2, max_model_len=256, num_blocks=64,
                      cpu_weight_layout="plain", cpu_kernels=False)
     assert no_kernels.engine.runner.model.decode_stack is None

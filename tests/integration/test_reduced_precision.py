@@ -18,9 +18,9 @@ from torch import nn
 
 from services.common.sampling_params import SamplingParams
 from services.engine.llm import LLM
-from services.engine.model import cpu_features, cpu_kernels, loader, packed_linear
+from services.engine.model import amx_linear, cpu_features, cpu_kernels, loader, packed_linear
 from services.engine.model.cpu_kernels import GEMV_MAX_ROWS
-from services.engine.model.onednn import CpuLinear
+from services.engine.model.onednn import AMX, CpuLinear
 from services.engine.model.quantized import Int8Linear
 from tests.hf_models import write_hf_checkpoint
 
@@ -99,8 +99,14 @@ def test_bf16_weights_and_kv_stay_close_to_fp32(checkpoint, fp32_llm):
     model = low.engine.runner.model
     assert low.engine.kv_cache.kv.dtype == torch.bfloat16
     assert {m.weight.dtype for m in model.modules() if isinstance(m, CpuLinear)} == {torch.bfloat16}
-    # bf16 weights take oneDNN's blocked layout (AMX) where packed, the default, is asked for
-    assert all(m.blocked and m.native_rows == 0 for m in model.layers.modules() if isinstance(m, CpuLinear))
+    # packed, the default, is asked for: bf16 weights take the AMX layout where the CPU has
+    # AMX-BF16 (every row count on its kernel), else oneDNN's blocked layout
+    linears = [m for m in model.layers.modules() if isinstance(m, CpuLinear)]
+    if amx_linear.load() is not None:
+        assert all(m.layout == AMX and m.packed is not None for m in linears)
+        assert low.engine.runner.model.decode_stack is None  # no decode-stack kernel for it
+    else:
+        assert all(m.blocked and m.native_rows == 0 for m in linears)
     assert model.act_dtype == torch.float32
     assert model.weight_bytes() < 0.55 * fp32_llm.engine.runner.model.weight_bytes()
     agreement, gap = _closeness(low, fp32_llm)

@@ -8,7 +8,8 @@ KV written are bit-identical to the Python path's.
 
 It runs where every projection is a ``CpuLinear`` on a native kernel (packed fp32
 weights, the default, for any number of rows; or plain weights on the GEMV, up to 16
-rows with fp32 weights and 2 with bf16: oneDNN's blocked layout is opaque to C), the
+rows with fp32 weights and 2 with bf16: oneDNN's blocked layout is opaque to C, and
+bf16 weights packed for AMX take their own kernel a layer at a time), the
 layers have no q/k norms and the embedding table is fp32 or bf16 (or a tied head's packed
 weight). ``ModelRunner`` runs a step here when every row is a decode (one token per
 sequence), at most ``max_rows`` of them, with no per-layer callback; other steps keep the
@@ -97,7 +98,8 @@ class DecodeStack:
                 or model.rope is None or model.rope.cos.dtype != torch.float32:
             return None
         linears = [getattr(lay, name) for lay in model.layers for name in _PROJECTIONS]
-        if not linears or not all(isinstance(lin, CpuLinear) and lin.native_rows > 0 for lin in linears):
+        if not linears or not all(isinstance(lin, CpuLinear) and lin.native_rows > 0
+                                  and lin.layout in ("packed", "plain") for lin in linears):
             return None
         kinds = {(lin.weight.dtype, lin.layout) for lin in linears}
         if len(kinds) != 1 or any(lay.q_norm is not None for lay in model.layers):

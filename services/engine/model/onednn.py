@@ -8,8 +8,11 @@ Each weight is stored once, in one of three layouts (``--cpu-weight-layout``):
   prompts (within the noise at 256-1,024 rows) and beats it on decode steps (engine
   steps at batch 1 / 16 / 32: 24.5-25.2 / 51-70 / 76-103 ms against 35-44 / 70-85 /
   93-100), and C can read it, so a decode step of any batch runs all its layers in one
-  native call (``decode_stack.py``). bf16 weights asked to be packed take blocked,
-  and so do all weights on CPUs without AVX-512 or AVX2 + FMA, or without the native kernels.
+  native call (``decode_stack.py``). bf16 weights asked to be packed take the AMX layout
+  where the CPU has AMX-BF16 (``amx_linear.py``: 16 x 32 blocks for the tile products,
+  every row count, 1.1-2.6x the blocked layout's bf16 products with their conversions),
+  blocked elsewhere; all weights take blocked on CPUs without AVX-512 or AVX2 + FMA, or
+  without the native kernels.
 - **blocked**: oneDNN's ``_linear_pointwise`` on a weight reordered once into its blocked
   layout (``_reorder_linear_weight``, an opaque tensor): in bf16 it runs on AMX tiles.
 - **plain**: ``[out, in]`` as loaded; oneDNN, and the native GEMV (``cpu_kernels.gemv``,
@@ -32,7 +35,9 @@ from torch import nn
 
 from services.common.config import CPU_WEIGHT_LAYOUTS as LAYOUTS
 from services.engine import huge_pages
-from services.engine.model import cpu_kernels, packed_linear
+from services.engine.model import amx_linear, cpu_kernels, packed_linear
+
+AMX = "amx"  # the packed layout of bf16 weights on AMX (a storage layout, not an option)
 
 # Input rows up to which the GEMV beats oneDNN, per weight dtype (bf16 widens each
 # weight element, so it turns compute-bound sooner, and oneDNN has AMX for it).
@@ -60,6 +65,9 @@ class CpuLinear(nn.Module):
         if self.layout == "packed":
             self.packed = packed_linear.load()
             self.weight = self.packed.pack(plain)  # [ceil(out / 32), in, 32]
+        elif self.layout == AMX:
+            self.packed = amx_linear.load()
+            self.weight = self.packed.pack(plain)  # flat: 16 x 32 blocks
         else:  # [out, in]: plain, or oneDNN's blocked layout (an opaque tensor)
             self.weight = torch.ops.mkldnn._reorder_linear_weight(plain, None) \
                 if self.layout == "blocked" else plain if shared else huge_pages.copy_of(plain)
@@ -71,7 +79,7 @@ class CpuLinear(nn.Module):
         # the GEMV, for decode-sized inputs on a plain weight
         self.kernels = cpu_kernels.load() if native and self.layout == "plain" else None
         # input rows up to which a native kernel runs the product (packed: all of them)
-        self.native_rows = sys.maxsize if self.layout == "packed" else \
+        self.native_rows = sys.maxsize if self.packed is not None else \
             GEMV_MAX_ROWS.get(dtype, 0) if self.kernels is not None else 0
 
     @property
@@ -116,11 +124,13 @@ class CpuLinear(nn.Module):
 
 def storage_layout(layout: str, dtype: torch.dtype, native: bool) -> str:
     """The layout a weight of ``dtype`` is stored in when ``layout`` (blocked | plain |
-    packed) is asked for: packed is fp32 only and needs the native kernel (``native``)
-    on a CPU with AVX-512 or AVX2 + FMA (``packed_linear.load()``); otherwise it falls
-    back to blocked (bf16 weights: oneDNN on AMX)."""
+    packed) is asked for: packed needs the native kernels (``native``); in fp32 on a CPU
+    with AVX-512 or AVX2 + FMA (``packed_linear.load()``), in bf16 on one with AMX-BF16
+    (``AMX``: ``amx_linear.load()``); otherwise it falls back to blocked."""
     if layout not in LAYOUTS:
         raise ValueError(f"CPU weight layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
+    if layout == "packed" and dtype == torch.bfloat16 and native and amx_linear.load() is not None:
+        return AMX
     if layout == "packed" and not (dtype == torch.float32 and native and packed_linear.load() is not None):
         return "blocked"
     return layout
