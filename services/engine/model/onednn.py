@@ -21,9 +21,9 @@ Each weight is stored once, in one of three layouts (``--cpu-weight-layout``):
   (``packed_linear.PackedEmbedding``); in the other layouts the head reads the plain table.
 
 Activations stay fp32; with bf16 weights the input is rounded to bf16 for the
-product (oneDNN's, or the GEMV's, which widens both to fp32) and the output to bf16,
-as oneDNN returns it, before it is fp32 again: a row's result does not depend on
-which path ran it. Results differ from MKL's only in float rounding.
+product (oneDNN's, the AMX kernel's, or the GEMV's, which widens both to fp32) and the
+output to bf16, as oneDNN returns it, before it is fp32 again: a row's result does not
+depend on which path ran it. Results differ from MKL's only in float rounding.
 """
 
 from __future__ import annotations
