@@ -17,9 +17,9 @@ from functools import cache
 
 import torch
 
-from services.engine import huge_pages
 from services.engine.model import cpu_features, cpu_kernels
-from services.engine.model.cpu_kernels import CpuKernels
+from services.engine.model.cpu_kernels import CpuKernels, bind
+from services.engine.model.packed_linear import packed_copy
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -34,22 +34,15 @@ class AmxLinearKernels:
     """The packing and product entries of the loaded kernel library."""
 
     def __init__(self, kernels: CpuKernels) -> None:
-        self._pack = kernels.lib.tandem_amx_pack_linear
-        self._pack.restype = None
-        self._pack.argtypes = [_ptr, _ptr, _i64, _i64]
-        self._linear = kernels.lib.tandem_amx_linear
-        self._linear.restype = ctypes.c_int
-        self._linear.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr]
+        lib = kernels.lib
+        self._pack = bind(lib, "tandem_amx_pack_linear", None, _ptr, _ptr, _i64, _i64)
+        self._linear = bind(lib, "tandem_amx_linear", ctypes.c_int,
+                            _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr)
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """``weight [N, K]`` bf16 -> its packed copy, flat (``packed_numel(N, K)`` elements)."""
-        if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.device.type != "cpu":
-            raise ValueError("the AMX layout takes bf16 CPU weights [N, K]")
-        weight = weight.contiguous()
-        n, k = weight.shape
-        packed = huge_pages.empty((packed_numel(n, k),), torch.bfloat16)
-        self._pack(weight.data_ptr(), packed.data_ptr(), n, k)
-        return packed
+        return packed_copy(self._pack, weight, "AMX", torch.bfloat16,
+                           lambda n, k: (packed_numel(n, k),))
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
                n_out: int) -> torch.Tensor:

@@ -255,6 +255,13 @@ class CpuKernels:
         return out
 
 
+def bind(lib: ctypes.CDLL, name: str, restype, *argtypes) -> ctypes._CFuncPtr:
+    """The library's entry ``name`` with its result and argument types set."""
+    fn = getattr(lib, name)
+    fn.restype, fn.argtypes = restype, list(argtypes)
+    return fn
+
+
 def _check_f32(*tensors: torch.Tensor) -> None:
     for t in tensors:
         if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():

@@ -14,6 +14,7 @@ weight (``PackedEmbedding``): the table is stored once, in the layout the head s
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from functools import cache
 
 import torch
@@ -21,7 +22,7 @@ from torch import nn
 
 from services.engine import huge_pages
 from services.engine.model import cpu_features, cpu_kernels
-from services.engine.model.cpu_kernels import CpuKernels
+from services.engine.model.cpu_kernels import CpuKernels, bind
 
 PANEL = 32  # TANDEM_PACK_WIDTH in csrc/kernels.h
 
@@ -32,25 +33,17 @@ class PackedKernels:
     """The packing and product entries of the loaded kernel library."""
 
     def __init__(self, kernels: CpuKernels) -> None:
-        self._pack = kernels.lib.tandem_pack_linear_f32
-        self._pack.restype = None
-        self._pack.argtypes = [_ptr, _ptr, _i64, _i64]
-        self._linear = kernels.lib.tandem_packed_linear_f32
-        self._linear.restype = None
-        self._linear.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]
-        self._gate_up_silu = kernels.lib.tandem_packed_gate_up_silu_f32
-        self._gate_up_silu.restype = None
-        self._gate_up_silu.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]
+        lib = kernels.lib
+        self._pack = bind(lib, "tandem_pack_linear_f32", None, _ptr, _ptr, _i64, _i64)
+        self._linear = bind(lib, "tandem_packed_linear_f32", None,
+                            _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64)
+        self._gate_up_silu = bind(lib, "tandem_packed_gate_up_silu_f32", None,
+                                  _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64)
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """``weight [N, K]`` fp32 -> its packed copy ``[ceil(N / 32), K, 32]``."""
-        if weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu":
-            raise ValueError("the packed layout takes fp32 CPU weights [N, K]")
-        weight = weight.contiguous()
-        n, k = weight.shape
-        packed = huge_pages.empty(((n + PANEL - 1) // PANEL, k, PANEL))
-        self._pack(weight.data_ptr(), packed.data_ptr(), n, k)
-        return packed
+        return packed_copy(self._pack, weight, "packed", torch.float32,
+                           lambda n, k: ((n + PANEL - 1) // PANEL, k, PANEL))
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
                n_out: int) -> torch.Tensor:
@@ -93,6 +86,20 @@ class PackedKernels:
             self._gate_up_silu(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
                                out.data_ptr(), x.shape[0], n_out // 2, x.shape[1])
         return out
+
+
+def packed_copy(pack: ctypes._CFuncPtr, weight: torch.Tensor, layout: str, dtype: torch.dtype,
+                shape: Callable[[int, int], tuple[int, ...]]) -> torch.Tensor:
+    """``weight [N, K]`` of ``dtype`` packed by the native ``pack(src, dst, N, K)`` into a new
+    tensor of ``shape(N, K)`` (on huge pages where available)."""
+    if weight.dtype != dtype or weight.dim() != 2 or weight.device.type != "cpu":
+        name = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dtype, str(dtype))
+        raise ValueError(f"the {layout} layout takes {name} CPU weights [N, K]")
+    weight = weight.contiguous()
+    n, k = weight.shape
+    packed = huge_pages.empty(shape(n, k), dtype)
+    pack(weight.data_ptr(), packed.data_ptr(), n, k)
+    return packed
 
 
 class PackedEmbedding(nn.Module):
