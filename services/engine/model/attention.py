@@ -101,8 +101,8 @@ class TorchPagedAttention:
 
     With ``amx_prompts`` (default: the CPU has AMX bf16 tiles), prompt groups of at least
     ``AMX_MIN_QUERY`` rows over a bf16 cache run their products in bf16 on AMX: the native
-    AMX kernel where it is loaded (reading blocks in place; 1.4-1.7x torch's bf16 SDPA
-    over gathered blocks, 2-2.2x the native fp32 math, on prompts of 256-4,096 tokens),
+    AMX kernel where it is loaded (reading blocks in place; 1.2-1.6x torch's bf16 SDPA
+    over gathered blocks, 1.8-2.2x the native fp32 math, on prompts of 256-4,096 tokens),
     else one bf16 SDPA. Shorter groups (speculative verify rows, short chunks) keep the
     native fp32 kernel.
     """

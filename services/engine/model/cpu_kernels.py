@@ -47,14 +47,11 @@ class CpuKernels:
             fn.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64,
                            _i64, _i64, _i64, _i64, _i64, _f32]
             self._prefill[dtype] = fn
-        self._prefill_amx = lib.tandem_paged_prefill_amx
-        self._prefill_amx.restype = ctypes.c_int
-        self._prefill_amx.argtypes = self._prefill[torch.bfloat16].argtypes
-        self._prefill_supported = lib.tandem_paged_prefill_supported
-        self._prefill_amx_supported = lib.tandem_paged_prefill_amx_supported
-        for fn in (self._prefill_supported, self._prefill_amx_supported):
-            fn.restype = ctypes.c_int
-            fn.argtypes = [_i64]
+        self._prefill_amx = bind(lib, "tandem_paged_prefill_amx", ctypes.c_int,
+                                 *self._prefill[torch.bfloat16].argtypes)
+        self._prefill_supported = bind(lib, "tandem_paged_prefill_supported", ctypes.c_int, _i64)
+        self._prefill_amx_supported = bind(lib, "tandem_paged_prefill_amx_supported",
+                                           ctypes.c_int, _i64)
         self._prefill_heads: dict[tuple[int, bool], bool] = {}
         self._int8_linear = lib.tandem_int8_linear_f32
         self._int8_linear.restype = ctypes.c_int
