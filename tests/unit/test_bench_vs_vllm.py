@@ -11,12 +11,20 @@ import os
 import stat
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from services.bench.side_by_side import Series, cpu_list
 from services.cluster.cli import main
+
+
+@pytest.fixture(autouse=True)
+def _side_logs_in_tmp_path(tmp_path, monkeypatch):
+    """The harness keeps each run's side logs in a fresh temporary folder (its result names
+    it); here that folder goes under the test's own, not the machine's /tmp."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
 
 def _fake_python(tmp_path: Path, env: str = "") -> Path:
