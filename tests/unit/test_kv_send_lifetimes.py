@@ -369,7 +369,7 @@ def test_a_step_that_fails_between_layer_groups_frees_its_blocks_after_the_queue
                     request_id="r", transfer_id="r#0", block_ids=(3, 4),
                     layer_groups=((0, 1), (1, layers)), src_rank=0, dst_rank=1,
                     num_prompt_tokens=20)))
-        assert channel.sending.is_set()  # group 0 is still being sent
+        assert channel.sending.wait(30)  # group 0 is being sent (on the sender's thread)
         await asyncio.sleep(0.3)  # a step that would run it again has had its chance
         assert pool.num_free < pool.num_blocks, "freed while a send reads them"
         assert worker.transfer_failures == 0 and "r" in worker._sending
