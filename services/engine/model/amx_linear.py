@@ -5,9 +5,9 @@ tile product's pair-interleaved layout. A call rounds its fp32 input to bf16, ac
 in fp32 on the tiles and rounds each output (bias added) to bf16, returned as fp32: the
 values oneDNN's bf16 product gives, up to the order of the fp32 sums. Each output is the
 same accumulation whatever the batch, so a row's result does not depend on its batch.
-Over SmolLM2-135M's shapes on 2 threads of an Intel Xeon with AMX it is 1.1-1.8x oneDNN's
-blocked bf16 product with its input and output conversions at 256-1,024 rows and
-1.8-2.6x at 32 (services/bench/RESULTS.md).
+Over SmolLM2-135M's shapes on 2 threads of an Intel Xeon with AMX it is 1.0-1.8x oneDNN's
+blocked bf16 product with its input and output conversions at 256-1,024 rows (gate|up at
+1,024 rows level with it) and 1.75-2.6x at 32 (services/bench/RESULTS.md).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Each weight is stored once, in one of three layouts (``--cpu-weight-layout``):
   93-100), and C can read it, so a decode step of any batch runs all its layers in one
   native call (``decode_stack.py``). bf16 weights asked to be packed take the AMX layout
   where the CPU has AMX-BF16 (``amx_linear.py``: 16 x 32 blocks for the tile products,
-  every row count, 1.1-2.6x the blocked layout's bf16 products with their conversions),
+  every row count, 1.0-2.6x the blocked layout's bf16 products with their conversions),
   blocked elsewhere; all weights take blocked on CPUs without AVX-512 or AVX2 + FMA, or
   without the native kernels.
 - **blocked**: oneDNN's ``_linear_pointwise`` on a weight reordered once into its blocked

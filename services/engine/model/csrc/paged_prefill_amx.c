@@ -7,7 +7,8 @@
  *
  * First every sequence's keys, per tile of AKT keys and kv head, are packed once into the
  * score product's pair-interleaved layout (Kp[d / 2][key][2]: a 16 x 16 transpose of
- * 32-bit pairs) and its values into the value product's (Vp[key / 2][d][2]) (amx_tiles.h).
+ * 32-bit pairs) and its values into the value product's (Vp[key / 2][d][2])
+ * (amx_attention.h).
  * Then one task per (sequence, kv head, QT positions): M = QT * G score rows (row m = i * G
  * + g is position i of the task, query head kv_head * G + g), in blocks of 16 rows (a
  * tile's rows); for each key tile and each block of rows that reaches it:
@@ -35,7 +36,7 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
     defined(__AVX512BW__)
-#include "amx_tiles.h"
+#include "amx_attention.h"
 #include "prefill_tasks.h"
 #include "vexp512.h"
 
