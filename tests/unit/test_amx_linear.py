@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from services.engine.model import amx_linear, onednn
+from services.engine.model.config import ModelConfig
+from services.engine.model.llama import LlamaModel
 from services.engine.model.onednn import AMX, CpuLinear
 
 kernels = amx_linear.load()
@@ -68,5 +70,46 @@ def test_a_bf16_cpu_linear_asked_to_be_packed_takes_the_amx_layout():
     x = torch.randn(3, 7, 64)
     got, ref = lin(x), blocked(x)
     assert got.shape == ref.shape == (3, 7, 100) and got.dtype == torch.float32
+    step = torch.finfo(torch.bfloat16).eps * ref.abs().clamp_min(1e-3)
+    assert ((got - ref).abs() <= step).all()
+
+
+@pytest.mark.parametrize("vocab,dim", [(1, 24), (16, 64), (100, 576), (37, 33)])
+def test_an_embedding_reads_the_plain_tables_rows_from_the_packed_weight(vocab, dim):
+    table = torch.randn(vocab, dim, generator=torch.Generator().manual_seed(vocab)).bfloat16()
+    embed = amx_linear.AmxEmbedding(kernels.pack(table), vocab, dim)
+    every = torch.arange(vocab)
+    assert torch.equal(embed(every), table)
+    ids = torch.randint(0, vocab, (3, 5))
+    assert torch.equal(embed(ids), table[ids])  # [B, T] -> [B, T, K]
+    assert embed(every[:0]).shape == (0, dim)
+    for bad in (vocab, -1):  # the padded blocks' outputs are not rows
+        with pytest.raises(IndexError, match=f"in \\[0, {vocab}\\)"):
+            embed(torch.tensor([0, bad]))
+    with pytest.raises(ValueError, match="AMX-packed table"):
+        amx_linear.AmxEmbedding(kernels.pack(table), vocab + 32, dim)
+
+
+def test_a_tied_bf16_head_is_stored_once_in_the_amx_layout():
+    """The head streams the AMX-packed table and the lookup reads that same tensor: the
+    plain table's rows, and its logits within the bf16 rounding."""
+    cfg = ModelConfig.from_dict({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64,
+        "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "tie_word_embeddings": True})
+    torch.manual_seed(0)
+    packed, plain = LlamaModel(cfg), LlamaModel(cfg)
+    plain.load_state_dict(packed.state_dict())
+    table = packed.embed_tokens.weight.detach().bfloat16()
+    packed.use_onednn(torch.bfloat16, layout="packed")
+    plain.use_onednn(torch.bfloat16, layout="blocked")
+    embed, head = packed.embed_tokens, packed.lm_head
+    assert isinstance(embed, amx_linear.AmxEmbedding) and head.layout == AMX
+    assert embed.weight is head.weight  # stored once
+    assert not any(p.shape == table.shape for p in packed.parameters())
+    ids = torch.tensor([0, 5, 99])
+    assert torch.equal(embed(ids), table[ids])
+    hidden = torch.randn(5, 64)
+    got, ref = head(hidden), plain.lm_head(hidden)
     step = torch.finfo(torch.bfloat16).eps * ref.abs().clamp_min(1e-3)
     assert ((got - ref).abs() <= step).all()

@@ -5,7 +5,8 @@ tile product's pair-interleaved layout. A call rounds its fp32 input to bf16, ac
 in fp32 on the tiles and rounds each output (bias added) to bf16, returned as fp32: the
 values oneDNN's bf16 product gives, up to the order of the fp32 sums. Each output is the
 same accumulation whatever the batch, so a row's result does not depend on its batch.
-Over SmolLM2-135M's shapes on 2 threads of an Intel Xeon with AMX it is 1.0-1.8x oneDNN's
+A tied LM head is packed too, and the embedding lookup reads its rows from the packed
+weight (``AmxEmbedding``). Over SmolLM2-135M's shapes on 2 threads of an Intel Xeon with AMX it is 1.0-1.8x oneDNN's
 blocked bf16 product with its input and output conversions at 256-1,024 rows (gate|up at
 1,024 rows level with it) and 1.75-2.6x at 32 (services/bench/RESULTS.md).
 """
@@ -16,10 +17,11 @@ import ctypes
 from functools import cache
 
 import torch
+from torch import nn
 
 from services.engine.model import cpu_features, cpu_kernels
 from services.engine.model.cpu_kernels import CpuKernels, bind
-from services.engine.model.packed_linear import packed_copy
+from services.engine.model.packed_linear import check_ids, packed_copy
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -68,6 +70,36 @@ class AmxLinearKernels:
     def fuses_gate_up(n_out: int) -> bool:
         """No fused gate|up here: the MLP takes the product, then SiLU·mul."""
         return False
+
+
+class AmxEmbedding(nn.Module):
+    """An embedding table read from an AMX-packed weight (a tied LM head's, flat): row ``n``
+    is, in each 32-input block of output block ``n // 16``, the 16 input pairs of output
+    ``n % 16``. A lookup reads K / 2 pairs 64 bytes apart; rows come back bf16, as the
+    plain table's."""
+
+    def __init__(self, packed: torch.Tensor, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        if packed.dim() != 1 or packed.numel() != packed_numel(num_embeddings, embedding_dim):
+            raise ValueError(f"an AMX-packed table of {num_embeddings} x {embedding_dim}, "
+                             f"not {packed.numel()} elements")
+        self.weight = packed  # the head's tensor, not a copy (and not a parameter of this module)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        k_blocks = (embedding_dim + 31) // 32
+        self._pairs = packed.view(torch.int32)  # a bf16 pair per element
+        self._block_pairs = k_blocks * 256  # pairs per output block
+        # a row's pairs lie 16 apart (one per output of its block), input-major
+        self._pair_steps = torch.arange(k_blocks * 16) * 16
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids [...]`` int64 -> ``[..., K]`` bf16 rows."""
+        check_ids(ids, self.num_embeddings)
+        first = (ids // 16) * self._block_pairs + ids % 16  # [...]: each row's first pair
+        pairs = torch.take(self._pairs, first[..., None] + self._pair_steps)  # [..., K / 2]
+        return pairs.view(torch.bfloat16)[..., :self.embedding_dim]
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, AMX-packed"
 
 
 @cache

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.engine import huge_pages
-from services.engine.model import cpu_kernels, onednn, packed_linear, quantized
+from services.engine.model import amx_linear, cpu_kernels, onednn, packed_linear, quantized
 from services.engine.model.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from services.engine.model.config import ModelConfig
 from services.engine.model.decode_stack import DecodeStack
@@ -97,18 +97,21 @@ class LlamaModel(nn.Module):
         or bf16) weights, each stored once in ``layout`` (see onednn.py): packed for the
         native kernel; blocked for oneDNN; plain for oneDNN and the native GEMV for
         decode-sized inputs. The embedding table takes ``weight_dtype`` too (rows are
-        widened on lookup). A tied head packed, the table is looked up in the packed head
-        (``PackedEmbedding``); in another layout the head shares the table, plain.
+        widened on lookup). A tied head packed (fp32, or bf16 on AMX), the table is looked
+        up in the packed head (``PackedEmbedding``, ``AmxEmbedding``); in another layout the
+        head shares the table, plain.
         ``native=False``: no native kernel (oneDNN for every input)."""
         onednn.replace_linears(self, weight_dtype, native, layout)
         table = self.embed_tokens.weight
         table.data = table.data.to(weight_dtype)
         if self.lm_head is not None:
             return
-        if onednn.storage_layout(layout, weight_dtype, native) == "packed":
+        stored = onednn.storage_layout(layout, weight_dtype, native)
+        if stored in ("packed", onednn.AMX):
             self.lm_head = onednn.CpuLinear(table, None, weight_dtype, native, "packed")
             # the plain table is dropped: stored once, packed
-            self.embed_tokens = packed_linear.PackedEmbedding(self.lm_head.weight, table.shape[0])
+            self.embed_tokens = packed_linear.PackedEmbedding(self.lm_head.weight, table.shape[0]) \
+                if stored == "packed" else amx_linear.AmxEmbedding(self.lm_head.weight, *table.shape)
         else:  # every decode step reads all of it: huge pages (huge_pages.py)
             table.data = huge_pages.copy_of(table.data)
             self.lm_head = onednn.CpuLinear(table, None, weight_dtype, native, layout, shared=True)

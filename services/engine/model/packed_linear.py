@@ -102,6 +102,13 @@ def packed_copy(pack: ctypes._CFuncPtr, weight: torch.Tensor, layout: str, dtype
     return packed
 
 
+def check_ids(ids: torch.Tensor, num_embeddings: int) -> None:
+    """Raise IndexError unless every id names a row of the table: a packed table's padding
+    holds no rows, and indexing it would not fail."""
+    if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < num_embeddings):
+        raise IndexError(f"token ids must lie in [0, {num_embeddings})")
+
+
 class PackedEmbedding(nn.Module):
     """An embedding table read from a packed weight ``[ceil(V / 32), K, 32]`` (a tied LM
     head's): row ``n`` is column ``n % 32`` of panel ``n // 32``. A lookup gathers K floats
@@ -118,8 +125,7 @@ class PackedEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids [...]`` int64 -> ``[..., K]`` fp32 rows."""
-        if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < self.num_embeddings):
-            raise IndexError(f"token ids must lie in [0, {self.num_embeddings})")
+        check_ids(ids, self.num_embeddings)
         return self.weight[ids // PANEL, :, ids % PANEL]
 
     def extra_repr(self) -> str:
