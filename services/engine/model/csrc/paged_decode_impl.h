@@ -42,13 +42,15 @@ static inline void ENTER_BLOCK(const KV_T *cache, const int64_t *table, int64_t 
  * tandem_merge_chunks. Inlined into a parallel region of its own per head size (NAME below),
  * where ``D`` is a literal: GCC outlines a parallel region before it inlines, so a region in
  * a function that only receives ``D`` would run every loop over D at run time, its key in
- * memory. ``scores`` holds hpt * n floats, ``acc`` hpt * D. */
+ * memory. ``scores`` holds hpt * n floats, ``acc`` hpt * D; ``products`` (AVX-512, 64-byte
+ * aligned) hpt * 16 vectors of 16: per head, the lane products of a group of 16 keys, summed
+ * a group at a time (tandem_sum16x16), where one horizontal sum per key and head was slower. */
 static inline __attribute__((always_inline)) void CHUNK(
         const float *q, int64_t q_stride, float *out, const int64_t *rows, const KV_T *k_cache,
         const KV_T *v_cache, const int64_t *block_table, int64_t table_stride,
         int64_t num_heads, int64_t num_kv_heads, const int64_t D, int64_t block_size,
         float scale, int64_t head_splits, int64_t r, int64_t split, int64_t first, int64_t n,
-        int64_t last_blk, float *partial, float *scores, float *acc) {
+        int64_t last_blk, float *partial, float *scores, float *acc, float *products) {
     const int64_t G = num_heads / num_kv_heads, KVH = num_kv_heads;
     const int64_t kvh_per_task = KVH / head_splits, hpt = kvh_per_task * G, span = kvh_per_task * D;
     const int64_t block_stride = block_size * KVH * D;
@@ -72,7 +74,7 @@ static inline __attribute__((always_inline)) void CHUNK(
         for (int64_t kh = 0; kh < kvh_per_task; ++kh) {
             const KV_T *kv = kbase + at + kh * D;
 #if defined(__AVX512F__)
-            if (VECTOR_HEAD(D)) {  /* the key once in registers, a vector sum per head */
+            if (VECTOR_HEAD(D)) {  /* the key once in registers, a vector of products per head */
                 __m512 key[MAX_VECTORS];
                 for (int64_t i = 0; i < D / 16; ++i) key[i] = KV_LOAD16(kv + 16 * i);
                 for (int64_t g = 0; g < G; ++g) {
@@ -81,7 +83,7 @@ static inline __attribute__((always_inline)) void CHUNK(
                     __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qh), key[0]);
                     for (int64_t i = 1; i < D / 16; ++i)
                         s = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * i), key[i], s);
-                    scores[h * n + j] = _mm512_reduce_add_ps(s) * scale;
+                    _mm512_store_ps(products + (h * 16 + j % 16) * 16, s);
                 }
                 continue;
             }
@@ -95,6 +97,16 @@ static inline __attribute__((always_inline)) void CHUNK(
                 scores[h * n + j] = s * scale;
             }
         }
+#if defined(__AVX512F__)
+        if (VECTOR_HEAD(D) && (j % 16 == 15 || j == n - 1)) {  /* a group's 16 sums at once */
+            const int64_t j0 = j - j % 16;
+            const __mmask16 keep = (__mmask16)((1u << (j - j0 + 1)) - 1u);
+            for (int64_t h = 0; h < hpt; ++h)
+                _mm512_mask_storeu_ps(scores + h * n + j0, keep,
+                                      _mm512_mul_ps(tandem_sum16x16(products + h * 256),
+                                                    _mm512_set1_ps(scale)));
+        }
+#endif
     }
     for (int64_t h = 0; h < hpt; ++h) {
         float *sh = scores + h * n, m = -INFINITY, total = 0.f;
@@ -122,6 +134,20 @@ static inline __attribute__((always_inline)) void CHUNK(
         PREFETCH_SPAN(vnext, at, span);
         for (int64_t kh = 0; kh < kvh_per_task; ++kh) {
             const KV_T *vv = vbase + at + kh * D;
+#if defined(__AVX512F__)
+            if (VECTOR_HEAD(D)) {  /* the value widened once, into registers, for its G heads */
+                __m512 val[MAX_VECTORS];
+                for (int64_t i = 0; i < D / 16; ++i) val[i] = KV_LOAD16(vv + 16 * i);
+                for (int64_t g = 0; g < G; ++g) {
+                    const int64_t h = kh * G + g;
+                    const __m512 w = _mm512_set1_ps(scores[h * n + j]);
+                    float *ah = acc + h * D;
+                    for (int64_t i = 0; i < D / 16; ++i)
+                        _mm512_storeu_ps(ah + 16 * i, _mm512_fmadd_ps(w, val[i], _mm512_loadu_ps(ah + 16 * i)));
+                }
+                continue;
+            }
+#endif
             for (int64_t g = 0; g < G; ++g) {
                 const int64_t h = kh * G + g;
                 const float w = scores[h * n + j];
@@ -142,8 +168,9 @@ static inline __attribute__((always_inline)) void CHUNK(
         _Pragma("omp parallel num_threads(tandem_team(plan.num_tasks)) reduction(| : failed)")  \
         {                                                                                       \
             float *scores = NULL, *acc = malloc(sizeof(float) * hpt * (D_ARG));                 \
+            float *products = aligned_alloc(64, sizeof(float) * hpt * 256);                     \
             int64_t cap = 0;                                                                    \
-            if (acc == NULL) failed = 1;                                                        \
+            if (acc == NULL || products == NULL) failed = 1;                                    \
             _Pragma("omp for schedule(dynamic, 1)")                                             \
             for (int64_t i = 0; i < plan.num_tasks; ++i) {                                      \
                 const tandem_decode_task *t = plan.tasks + i;                                   \
@@ -163,7 +190,7 @@ static inline __attribute__((always_inline)) void CHUNK(
                           num_heads, num_kv_heads, (D_ARG), block_size, scale, head_splits,     \
                           t->row, t->split, first,                                              \
                           row->end - first < row->size ? row->end - first : row->size,          \
-                          last_blk, partial, scores, acc);                                      \
+                          last_blk, partial, scores, acc, products);                            \
                 }                                                                               \
             }                                                                                   \
             _Pragma("omp for schedule(dynamic, 1)")                                             \
@@ -173,6 +200,7 @@ static inline __attribute__((always_inline)) void CHUNK(
                                         out + rows[r] * num_heads * (D_ARG));                   \
             free(scores);                                                                       \
             free(acc);                                                                          \
+            free(products);                                                                     \
         }                                                                                       \
     } while (0)
 
