@@ -36,6 +36,12 @@ class Hardware:
     # a step (preemptions, caches refilled); `--validate` measures both
     prefill_step_factor: float = 1.0
     decode_step_factor: float = 1.0
+    # a disaggregated or conditional mix on one host: its decode / prefill workers run this
+    # many threads while the other pool leaves them its cores (``tandem serve``'s
+    # --decode-burst-threads / --prefill-burst-threads), their steps at the profile's burst
+    # timings (``Simulation``'s ``bursts``); 0: never
+    decode_burst_threads: int = 0
+    prefill_burst_threads: int = 0
     # threads placed on whole cores (``CorePlacement``); False, or fractional or unbounded
     # ``cores`` (GPU workers): every busy thread an equal share of all the cores (fluid)
     whole_cores: bool = True

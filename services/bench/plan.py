@@ -30,7 +30,8 @@ from services.bench.cpu_share import Hardware
 from services.bench.plan_sim import Simulation
 from services.bench.sim_worker import Engine, SimRequest
 from services.bench.profile import background_cores
-from services.common.config import LOCAL_PREFILL_THRESHOLD, PREFILL_SATURATION_S
+from services.cluster import cpu_sizing
+from services.common.config import LOCAL_PREFILL_THRESHOLD, PREFILL_SATURATION_S, ClusterConfig
 from services.router.config import RouterConfig
 
 SCHEMA = "tandem.plan/v1"
@@ -62,6 +63,35 @@ def models(prof: dict[str, Any], quiet: bool = True,
     return steps, transfer, engine
 
 
+def burst_models(prof: dict[str, Any], quiet: bool = True) -> tuple[int, tuple[StepModel, StepModel]] | None:
+    """The profile's burst threads and steps (``tandem profile --burst-threads``): a bursting
+    prefill worker's, then a bursting decode worker's (its prompts on its own layout); None
+    when the profile has none. ``quiet`` as in ``models``, for that many threads."""
+    b = prof["fit"].get("burst")
+    if not b:
+        return None
+    decode = DecodeModel.from_json(b["decode"])
+    pair = (StepModel(PrefillModel.from_json(b["prefill"]), decode),
+            StepModel(PrefillModel.from_json(b["local_prefill"]), decode))
+    if quiet:
+        factor = quiet_factor({**prof, "worker": {**prof["worker"], "threads_per_worker": b["threads"]}})
+        pair = (pair[0].scaled(factor), pair[1].scaled(factor))
+    return b["threads"], pair
+
+
+def mix_bursts(mix: Mix, hw: Hardware, profiled: int) -> Hardware:
+    """``hw`` with the burst threads ``tandem serve`` gives ``mix``'s pools on one host
+    (``services.cluster.cpu_sizing``), kept where they are the ``profiled`` burst count
+    (0: none profiled) and dropped elsewhere."""
+    if mix.colocated or not profiled or not math.isfinite(hw.cores):
+        return dataclasses.replace(hw, decode_burst_threads=0, prefill_burst_threads=0)
+    sized = cpu_sizing.resolve(ClusterConfig(mode=mix.mode, prefill_workers=mix.prefill, decode_workers=mix.decode,
+                                             threads_per_worker=hw.threads), int(hw.cores))
+    return dataclasses.replace(
+        hw, decode_burst_threads=sized.decode_burst_threads if sized.decode_burst_threads == profiled else 0,
+        prefill_burst_threads=sized.prefill_burst_threads if sized.prefill_burst_threads == profiled else 0)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", required=True, help="a `tandem profile` JSON")
     p.add_argument("--target-rate", type=float, default=None,
@@ -73,6 +103,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "unbounded for a GPU profile, one GPU per worker)")
     p.add_argument("--threads-per-worker", type=int, default=None, help="default: the profile's")
     p.add_argument("--prefill-nice", type=int, default=0, help="as `tandem serve --prefill-nice`")
+    p.add_argument("--bursts", choices=("auto", "off"), default=None,
+                   help="auto: disaggregated and conditional pools burst as `tandem serve` runs them on one host "
+                   "(a decode worker with more threads while no prefill is pending for it, a prefill worker "
+                   "while nothing decodes), where the profile timed that many threads (`tandem profile "
+                   "--burst-threads`), and `--validate` serves them so; off: fixed threads, as on a Ray "
+                   "cluster joined (Kubernetes); with --helm-values, off unless set")
     p.add_argument("--local-prefill-threshold", type=int, default=LOCAL_PREFILL_THRESHOLD,
                    help="conditional mixes: prompts shorter than this prefill on the decode worker (as `tandem "
                    "serve --local-prefill-threshold`)")
@@ -155,6 +191,8 @@ def simulate(mix: Mix, args: argparse.Namespace, rates: list[float], slo: SLO, p
     """One mix over the sweep: a results dict shaped like ``tandem bench serve``'s (no per-request list)."""
     quiet = not args.keep_profile_load
     steps, transfer, engine = models(prof, quiet, mix.colocated)
+    burst = burst_models(prof, quiet) if bursts_on(args) else None
+    hw = mix_bursts(mix, hw, burst[0] if burst else 0)
     # a conditional decode worker's prompts: the profile's prompt steps on the colocated
     # workers' layout, which is the decode pool's unless --decode-weight-layout set another
     local = models(prof, quiet, colocated=True)[0].prefill if mix.conditional else None
@@ -166,7 +204,8 @@ def simulate(mix: Mix, args: argparse.Namespace, rates: list[float], slo: SLO, p
         records, duration = [], 0.0
         for rep in range(args.repeats):
             sim = Simulation(_requests(args, k, rate, args.seed + rep), mix=mix, steps=steps, transfer=transfer,
-                             engine=engine, hardware=hw, router=router, local_prefill=local)
+                             engine=engine, hardware=hw, router=router, local_prefill=local,
+                             bursts=burst[1] if burst else None)
             res = sim.run(max_time_s=args.max_duration + 10 * args.request_timeout)
             records += res.records
             duration += res.duration_s
@@ -179,7 +218,12 @@ def simulate(mix: Mix, args: argparse.Namespace, rates: list[float], slo: SLO, p
     good = goodput([(r["rate"], r["summary"]["attainment"]["both"]) for r in runs], slo.attainment)
     return {"label": mix.label, "mix": dataclasses.asdict(mix), "workers": mix.workers,
             "cores": mix.workers * hw.threads, "slo": slo.to_json(), "runs": runs, "goodput": good,
-            "engine": work}
+            "engine": work, "bursts": {"prefill": hw.prefill_burst_threads, "decode": hw.decode_burst_threads}}
+
+
+def bursts_on(args: argparse.Namespace) -> bool:
+    """Whether pools burst (``--bursts``; unset: yes, unless the plan is for the chart)."""
+    return (args.bursts or ("off" if args.helm_values else "auto")) == "auto"
 
 
 def recommend(results: list[dict[str, Any]], target_rate: float, target: float) -> dict[str, Any] | None:
@@ -244,8 +288,10 @@ def main(args: argparse.Namespace) -> int:
           f"{args.repeats} x {wl.config['requests_per_rate']} requests per rate; "
           f"SLO TTFT {serve_bench.fmt_num(slo['ttft_ms'])} ms, TPOT {serve_bench.fmt_num(slo['tpot_ms'])} ms "
           f"at {slo['attainment']:.0%}")
+    burst = burst_models(prof) if bursts_on(args) and not on_gpu else None
     where = (f"one {prof['hardware'].get('gpu') or 'GPU'} per worker" if on_gpu
-             else f"{prof['hardware']['cpu']}, {threads} thread(s) per worker on {cores:g} cores")
+             else f"{prof['hardware']['cpu']}, {threads} thread(s) per worker on {cores:g} cores" +
+             (f"; a pool of one worker bursts to {burst[0]} threads" if burst else "; no bursts"))
     print(f"profile: {where} (predicted; + = every rate met the SLO, sweep higher)")
     print_table(results, target_rate, best)
     out_dir = Path(args.out_dir) if args.out_dir else serve_bench.default_out_dir("plan")

@@ -22,6 +22,11 @@ What it models, and from where:
   threshold, or every prefill worker saturated) prefill on the decode worker, chunked
   into its steps at the cost of ``local_prefill`` (prompts on its weight layout);
   colocated: one worker does all of it;
+- bursts (a disaggregated or conditional mix on one host, ``Hardware``'s burst threads): a
+  decode worker's step starts with its burst threads, at the ``bursts`` step costs, while
+  no remote prefill is pending for it (no blocks reserved for KV on its way), a prefill
+  worker's while no decode worker holds a request but those being prefilled, as
+  ``services.worker.threads`` decides it between steps;
 - CPU contention: every busy worker wants ``threads`` cores, a frontend (gateway, load
   generator) wants one core while it has tokens to pass on, a background wants
   ``background_cores`` plus the server's own CPU at rest (``server_idle_cores``); each
@@ -83,11 +88,14 @@ class SimResult:
 class Simulation:
     """The workers of ``mix`` serving ``requests``; ``run()`` returns one record per request.
     A conditional mix's decode workers prefill the prompts the router keeps local at
-    ``local_prefill``'s cost (the profiled prompt steps on their layout; ``steps``' when None)."""
+    ``local_prefill``'s cost (the profiled prompt steps on their layout; ``steps``' when None).
+    ``bursts``: the prefill and the decode workers' steps with their burst threads (the
+    decode workers' prompts at their own layout's cost), for ``hardware``'s burst counts."""
 
     def __init__(self, requests: Sequence[SimRequest], *, mix: Mix, steps: StepModel,
                  transfer: TransferModel | None, engine: Engine, hardware: Hardware,
-                 router: RouterConfig | None = None, local_prefill: PrefillModel | None = None) -> None:
+                 router: RouterConfig | None = None, local_prefill: PrefillModel | None = None,
+                 bursts: tuple[StepModel, StepModel] | None = None) -> None:
         if mix.decode < 1 or (not mix.colocated and mix.prefill < 1):
             raise ValueError("a mix needs at least one decode worker, and one prefill worker when disaggregated")
         if not mix.colocated and transfer is None:
@@ -102,11 +110,15 @@ class Simulation:
         self.router = Router(dataclasses.replace(cfg, mode=mix.mode, block_size=engine.block_size))
         self.workers: dict[str, SimWorker] = {}
         pw = nice_weight(hardware.prefill_nice)
+        served = [b.served(hardware.prefill_step_factor, hardware.decode_step_factor) for b in bursts or ()]
+        burst_prefill, burst_decode = served or (None, None)
         for i in range(0 if mix.colocated else mix.prefill):
-            self._add(SimWorker(f"prefill-{i}", PREFILL, engine, steps, Job(0, pw), hardware.step_s_per_token))
+            self._add(SimWorker(f"prefill-{i}", PREFILL, engine, steps, Job(0, pw), hardware.step_s_per_token,
+                                burst_prefill if hardware.prefill_burst_threads else None))
         for i in range(mix.decode):
             self._add(SimWorker(f"decode-{i}", BOTH if mix.colocated else DECODE, engine, decode_steps,
-                                Job(0, 1.0), hardware.step_s_per_token))
+                                Job(0, 1.0), hardware.step_s_per_token,
+                                burst_decode if hardware.decode_burst_threads and not mix.colocated else None))
         self.frontend = Job(0, 1.0)
         # tokens on their way to the client, one feed item per worker step, or per run of
         # its steps while the path is behind: [CPU seconds left, seqs, worker id]
@@ -119,6 +131,17 @@ class Simulation:
         self._n = 0
         self.records: list[dict[str, Any] | None] = [None] * len(self.requests)
         self.token_times: dict[int, list[float]] = {}
+
+    def _threads(self, w: SimWorker) -> int:
+        """The threads ``w``'s next step starts with: its burst threads while the other pool
+        leaves it the cores (see the module docstring), else ``Hardware.threads``."""
+        if w.burst_steps is None:
+            return self.hw.threads
+        if w.role == DECODE:
+            return self.hw.decode_burst_threads if not w.reserved else self.hw.threads
+        decodes = [d for d in self.workers.values() if d.role == DECODE]
+        idle = all(not d.running and not d.waiting for d in decodes)
+        return self.hw.prefill_burst_threads if idle else self.hw.threads
 
     def _add(self, w: SimWorker) -> None:
         self.workers[w.worker_id] = w
@@ -257,8 +280,11 @@ class Simulation:
         while True:
             if not (self._events and self._events[0][0] <= self.now):  # simultaneous arrivals share a step
                 for w in self.workers.values():
-                    if w.step is None and w.start_step():
-                        w.job.threads = self.hw.threads
+                    if w.step is not None:
+                        continue
+                    threads = self._threads(w)
+                    if w.start_step(burst=threads != self.hw.threads):
+                        w.job.threads = threads
                         w.step_started = self.now
             self.frontend.threads = 1.0 if self.deliveries else 0.0
             if self.placement is not None:

@@ -113,9 +113,11 @@ def validate(args: argparse.Namespace, prof: dict[str, Any], mixes: list[Any], p
         load_before = runinfo.machine()["load_avg_at_start"]
         local = conditional_args(mix, args.local_prefill_threshold, args.prefill_saturation_s,
                                  defaults_too=True)
+        bursts = pred["bursts"]  # as simulated (--server-arg may still override them)
+        served = [f"--decode-burst-threads={bursts['decode']}", f"--prefill-burst-threads={bursts['prefill']}"]
         server = TandemServer(model, mode=mix.mode,
                               prefill_workers=0 if mix.colocated else mix.prefill, decode_workers=mix.decode,
-                              threads_per_worker=threads, extra_args=extra + local,
+                              threads_per_worker=threads, extra_args=served + extra + local,
                               log_path=out_dir / f"measured-{mix.label}-server.log",
                               startup_timeout_s=args.startup_timeout)
         print(f"measuring {mix.label}: {' '.join(server.argv[3:])}", flush=True)

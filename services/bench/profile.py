@@ -10,7 +10,11 @@ one actor at a time, so the figures are the worker alone on its cores):
 - colocated workers run both phases on their own layout (``ClusterConfig.pool_layout``):
   where it is not a pool's, that pool's grid is timed again on it (``points["colocated"]``);
 - KV transfer: the KV protocol between two actors over gloo (nccl with ``--device cuda``)
-  (``services.bench.transfer.bandwidth``), 0.25..16 MB.
+  (``services.bench.transfer.bandwidth``), 0.25..16 MB;
+- bursts (CPU, ``--burst-threads``, default the usable cores): the prefill steps on the
+  prefill pool's layout and the decode steps and prompts on the decode pool's, again with
+  that many threads, as a one-worker pool of a cluster started here runs while the other
+  pool is idle (``tandem serve --decode-burst-threads/--prefill-burst-threads``).
 
 Writes one JSON (schema ``SCHEMA``) with every timed point, the fitted models
 (``services.bench.perf_model``), the hardware, the model and the engine's batching
@@ -57,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-nice", type=int, default=0, help="niceness of the prefill pool (as `tandem serve`)")
     p.add_argument("--repeats", type=int, default=3, help="timed steps per grid point (medians are fitted)")
     p.add_argument("--skip-transfer", action="store_true", help="no KV transfer part (single-pool plans only)")
+    p.add_argument("--burst-threads", type=int, default=None, help="CPU: also time the pools' steps with this many "
+                   "threads, as a pool of one worker bursts on one host (default: the usable cores where they "
+                   "exceed --threads-per-worker; 0: not timed)")
     p.add_argument("--out", default="profile.json", help="where the profile goes")
     add_config_flags(p, ClusterConfig, only=LAYOUT_FIELDS)  # as `tandem serve`
 
@@ -72,9 +79,10 @@ def pool_layouts(cluster: ClusterConfig) -> dict[str, str]:
 
 def measure(model: str, threads: int, prefill_nice: int, repeats: int, transfer: bool,
             progress=print, grid: Grid = Grid(), device: str = "cpu", kv_cache_gb: float = 0.25,
-            layouts: dict[str, str] | None = None) -> dict[str, Any]:
+            layouts: dict[str, str] | None = None, burst_threads: int = 0) -> dict[str, Any]:
     """The profile dict (schema ``SCHEMA``); Ray must be running. ``layouts``: each kind of
-    worker's CPU weight layout (``pool_layouts``; default: the cluster's defaults)."""
+    worker's CPU weight layout (``pool_layouts``; default: the cluster's defaults);
+    ``burst_threads`` > ``threads``: the pools' steps timed again with that many (CPU)."""
     import ray
 
     from services.bench.cpu_load import BackgroundSampler
@@ -90,8 +98,8 @@ def measure(model: str, threads: int, prefill_nice: int, repeats: int, transfer:
     sampler = BackgroundSampler(lambda: [os.getpid(), *actor_pids]).start()
     colocated: dict[str, list[dict]] = {}
 
-    def start(niceness: int, layout: str):
-        actor = actor_cls.options(num_cpus=0, num_gpus=gpu).remote(model, threads, niceness, device, kv_cache_gb,
+    def start(niceness: int, layout: str, n_threads: int = threads):
+        actor = actor_cls.options(num_cpus=0, num_gpus=gpu).remote(model, n_threads, niceness, device, kv_cache_gb,
                                                                    layout)
         actor_pids[:] = [ray.get(actor.pid.remote())]
         return actor
@@ -129,6 +137,8 @@ def measure(model: str, threads: int, prefill_nice: int, repeats: int, transfer:
                     colocated["prefill"] = prefill_grid(both)
             finally:
                 ray.kill(both)
+        burst = burst_points(start, prefill_grid, decode_grid, layouts, prefill_nice, burst_threads, progress) \
+            if burst_threads > threads and not gpu else None
     finally:
         background = sampler.stop()
     meta = runinfo.describe()
@@ -141,7 +151,7 @@ def measure(model: str, threads: int, prefill_nice: int, repeats: int, transfer:
                    "kind": f"gpu-{limits.get('dtype')}" if gpu else f"cpu-{threads}t"},
         # mixed steps are a colocated worker's, on its layout
         "points": {"prefill": prefill_points, "decode": decode_points, "mixed": mixed_points,
-                   "colocated": colocated},
+                   "colocated": colocated, **({"burst": burst} if burst else {})},
         # cores other processes used meanwhile: `tandem plan` scales the steps back to a quiet machine
         "background": {"cores_mean": background, "samples": len(sampler.samples)},
     }
@@ -154,6 +164,29 @@ def measure(model: str, threads: int, prefill_nice: int, repeats: int, transfer:
                    for r in rows]
         out["points"]["transfer"] = tpoints
     return fit(out)
+
+
+def burst_points(start, prefill_grid, decode_grid, layouts: dict[str, str], prefill_nice: int,
+                 burst_threads: int, progress) -> dict[str, Any]:
+    """The grids a bursting worker runs, with ``burst_threads``: a prefill worker's prompts
+    (its layout and niceness), a decode worker's steps and its local prompts (its layout)."""
+    import ray
+
+    out: dict[str, Any] = {"threads": burst_threads}
+    progress(f"bursts: prefill steps ({burst_threads} threads, {layouts['prefill']} weights)")
+    pre = start(prefill_nice, layouts["prefill"], burst_threads)
+    try:
+        out["prefill"] = prefill_grid(pre)
+    finally:
+        ray.kill(pre)
+    progress(f"bursts: decode steps and prompts ({burst_threads} threads, {layouts['decode']} weights)")
+    dec = start(0, layouts["decode"], burst_threads)
+    try:
+        out["decode"] = decode_grid(dec, mixed=False)[0]
+        out["local_prefill"] = out["prefill"] if layouts["decode"] == layouts["prefill"] else prefill_grid(dec)
+    finally:
+        ray.kill(dec)
+    return out
 
 
 def fit(prof: dict[str, Any]) -> dict[str, Any]:
@@ -171,6 +204,11 @@ def fit(prof: dict[str, Any]) -> dict[str, Any]:
                                                 p["batch"], p["context"])
     if pts.get("transfer"):
         prof["fit"]["transfer"] = TransferModel.fit(pts["transfer"]).to_json()
+    if pts.get("burst"):
+        b = pts["burst"]
+        prof["fit"]["burst"] = {"threads": b["threads"], "prefill": PrefillModel.fit(b["prefill"]).to_json(),
+                                "decode": DecodeModel.fit(b["decode"]).to_json(),
+                                "local_prefill": PrefillModel.fit(b["local_prefill"]).to_json()}
     return prof
 
 
@@ -213,6 +251,9 @@ def print_profile(prof: dict[str, Any]) -> None:
         errs = [abs(p["predicted_seconds"] / p["seconds"] - 1) for p in mixed]
         print(f"mixed steps (decodes + a prefill chunk), additive model vs measured: mean |error| "
               f"{sum(errs) / len(errs):.0%}, max {max(errs):.0%} over {len(errs)} steps")
+    if "burst" in f:
+        b = f["burst"]
+        _print_steps(f"bursts ({b['threads']} threads): ", b["prefill"], b["decode"])
     if "transfer" in f:
         t = f["transfer"]
         bw = TransferModel.from_json(t).bytes_per_s
@@ -241,6 +282,7 @@ def main(args: argparse.Namespace) -> int:
     from services.cluster.ray_start import RayRuntime
     from services.common.config import check_device
     from services.engine.default_model import default_model_path
+    from services.worker.threads import usable_cores
 
     if args.threads_per_worker < 1:
         raise ValueError("--threads-per-worker must be >= 1")
@@ -248,6 +290,8 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("--repeats must be >= 1")
     if args.kv_cache_gb <= 0:
         raise ValueError("--kv-cache-gb must be > 0")
+    if args.burst_threads is not None and args.burst_threads < 0:
+        raise ValueError("--burst-threads must be >= 0")
     model = str(args.model or default_model_path("bench"))
     layouts = pool_layouts(ClusterConfig(
         engine=EngineConfig(cpu_weight_layout=args.cpu_weight_layout),
@@ -259,7 +303,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         prof = measure(model, args.threads_per_worker, args.prefill_nice, args.repeats, not args.skip_transfer,
                        progress=lambda m: print(f"[{time.perf_counter() - t0:5.1f}s] {m}", flush=True),
-                       device=check_device(args.device), kv_cache_gb=args.kv_cache_gb, layouts=layouts)
+                       device=check_device(args.device), kv_cache_gb=args.kv_cache_gb, layouts=layouts,
+                       burst_threads=usable_cores() if args.burst_threads is None else args.burst_threads)
     finally:
         if runtime is not None:
             runtime.stop()

@@ -54,9 +54,11 @@ class SimWorker:
     """One worker: its queues, its step in progress, its load as the router sees it."""
 
     def __init__(self, worker_id: str, role: str, engine: Engine, steps: StepModel, job: Job,
-                 step_s_per_token: float = 0.0) -> None:
+                 step_s_per_token: float = 0.0, burst_steps: StepModel | None = None) -> None:
+        """``burst_steps``: its steps while it bursts (more threads; ``start_step(burst=True)``)."""
         self.worker_id, self.role, self.engine, self.steps, self.job = worker_id, role, engine, steps, job
         self.step_s_per_token = step_s_per_token
+        self.burst_steps = burst_steps
         self.waiting: deque[SimSeq] = deque()
         self.running: list[SimSeq] = []
         self.reserved: dict[str, int] = {}  # rid -> blocks held for KV on its way
@@ -84,8 +86,9 @@ class SimWorker:
                           queued_prefill_tokens=queued, max_num_seqs=e.max_num_seqs, request_ids=ids,
                           prefill_tokens_per_s=self.prefill_rate.tokens_per_s())
 
-    def start_step(self) -> bool:
-        """Schedule a step as the engine's scheduler would; False when there is nothing to do."""
+    def start_step(self, burst: bool = False) -> bool:
+        """Schedule a step as the engine's scheduler would, at ``burst_steps``' cost with
+        ``burst``; False when there is nothing to do."""
         budget = self.engine.max_num_batched_tokens
         decodes = [s for s in self.running if s.prefill_left == 0][:budget]
         budget -= len(decodes)
@@ -104,7 +107,8 @@ class SimWorker:
         if not decodes and not chunks:
             return False
         self.step = (decodes, chunks)
-        prompt, decode = self.steps.parts(sum(n for _, n in chunks),
+        model = self.burst_steps if burst and self.burst_steps is not None else self.steps
+        prompt, decode = model.parts(sum(n for _, n in chunks),
                                           sum(attention_pairs(n, s.tokens) for s, n in chunks),
                                           len(decodes), sum(s.tokens + 1 for s in decodes))
         self.num_steps += 1

@@ -10,6 +10,8 @@ import yaml
 from services.bench import profile as profile_mod
 from services.bench.perf_model import DecodeModel, PrefillModel, StepModel, TransferModel, attention_pairs
 from services.bench.mix import Mix, all_mixes, helm_values
+from services.bench import plan as plan_mod
+from services.bench.cpu_share import Hardware
 from services.bench.plan import recommend
 from services.bench.plan_validate import error
 from services.cluster.cli import main as cli
@@ -130,13 +132,21 @@ def test_prediction_error():
     assert error(1.0, 0.0) is None
 
 
-def _profile(path, transfer: bool = True, device: str = "cpu") -> str:
-    pts = {"prefill": [{"tokens": n, "seqs": 1, "pairs": attention_pairs(n), "seconds": 0.01 + 4e-4 * n}
-                       for n in (16, 256, 1024)],
-           "decode": [{"batch": b, "context": c, "seconds": 0.01 + 0.001 * b}
-                      for b, c in ((1, 64), (8, 512), (32, 64))],
-           "mixed": [],
+def _prefill_points(per_token: float = 4e-4) -> list[dict]:
+    return [{"tokens": n, "seqs": 1, "pairs": attention_pairs(n), "seconds": 0.01 + per_token * n}
+            for n in (16, 256, 1024)]
+
+
+def _decode_points(per_seq: float = 0.001) -> list[dict]:
+    return [{"batch": b, "context": c, "seconds": 0.01 + per_seq * b} for b, c in ((1, 64), (8, 512), (32, 64))]
+
+
+def _profile(path, transfer: bool = True, device: str = "cpu", burst_threads: int = 0) -> str:
+    pts = {"prefill": _prefill_points(), "decode": _decode_points(), "mixed": [],
            "transfer": [{"bytes": b, "seconds": 1e-3 + b / 1e9} for b in (2**20, 2**24)] if transfer else []}
+    if burst_threads:  # bursting: prompts twice as fast, decode steps a little faster
+        pts["burst"] = {"threads": burst_threads, "prefill": _prefill_points(2e-4), "decode": _decode_points(8e-4),
+                        "local_prefill": _prefill_points(2e-4)}
     prof = profile_mod.fit({
         "schema": profile_mod.SCHEMA, "hardware": {"cpu": "test CPU", "cores": 4, "device": device},
         "model": {"path": "unused"}, "worker": {"threads_per_worker": 1, "prefill_nice": 0},
@@ -178,6 +188,43 @@ def test_tandem_plan_takes_the_request_path_measured_on_this_host(tmp_path, caps
     hw = json.loads((tmp_path / "b" / "plan.json").read_text())["hardware"]
     assert (hw["server_idle_cores"], hw["frontend_s_per_step"], hw["frontend_s_per_token"]) == \
         pytest.approx((0.08, 0.0049, 0.00042))
+    capsys.readouterr()
+
+
+def test_pools_burst_as_tandem_serve_sizes_them_where_the_profile_timed_it():
+    hw = Hardware(2, 1)
+    one_each = plan_mod.mix_bursts(Mix(1, 1), hw, 2)
+    assert (one_each.prefill_burst_threads, one_each.decode_burst_threads) == (2, 2)
+    two_prefill = plan_mod.mix_bursts(Mix(2, 1, conditional=True), hw, 2)  # 2 // 2 = 1 thread: no burst
+    assert (two_prefill.prefill_burst_threads, two_prefill.decode_burst_threads) == (0, 2)
+    for mix, profiled in ((Mix(0, 2, colocated=True), 2), (Mix(1, 1), 0)):
+        none = plan_mod.mix_bursts(mix, hw, profiled)
+        assert (none.prefill_burst_threads, none.decode_burst_threads) == (0, 0)
+    wide = Hardware(8, 2)  # 1P+1D: 8 threads each; 2P+2D: 4, which this profile did not time
+    assert plan_mod.mix_bursts(Mix(1, 1), wide, 8).decode_burst_threads == 8
+    assert plan_mod.mix_bursts(Mix(2, 2), wide, 8).decode_burst_threads == 0
+
+
+def test_tandem_plan_models_bursts_from_the_profile_unless_off_or_for_the_chart(tmp_path, capsys):
+    prof = _profile(tmp_path / "profile.json", burst_threads=4)  # the profile's 4 cores
+    common = ["plan", "--profile", prof, "--preset", "chat", "--num-prompts", "10", "--rates", "1", "--repeats",
+              "1", "--mixes", "1P+1D,2P+1D,colocatedx2", "--no-plots"]
+
+    def planned(*extra: str) -> list[dict]:
+        out = tmp_path / str(len(list(tmp_path.iterdir())))
+        assert cli([*common, *extra, "--out-dir", str(out)]) in (0, 1)
+        return json.loads((out / "plan.json").read_text())["results"]
+
+    bursting = planned()
+    assert [r["bursts"] for r in bursting] == [{"prefill": 4, "decode": 4}, {"prefill": 0, "decode": 4},
+                                               {"prefill": 0, "decode": 0}]
+    assert "bursts to 4 threads" in capsys.readouterr().out
+    for extra in (("--bursts", "off"), ("--helm-values", str(tmp_path / "values.yaml"))):
+        fixed = planned(*extra)
+        assert all(r["bursts"] == {"prefill": 0, "decode": 0} for r in fixed)
+        ttft = [r["runs"][0]["summary"]["ttft_ms"]["p50"] for r in (bursting[0], fixed[0])]
+        assert ttft[0] < ttft[1]  # 1P+1D: a lone prompt prefills at the burst cost
+        assert bursting[2]["runs"] == fixed[2]["runs"]  # colocated: the same either way
     capsys.readouterr()
 
 

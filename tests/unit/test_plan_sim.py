@@ -22,11 +22,11 @@ def steps(prefill_s: float = 0.1, per_token: float = 0.0, decode_base: float = 0
 
 def simulation(requests, *, prefill=1, decode=1, colocated=False, model=None, cores=8.0, budget=2048,
                transfer=TransferModel(0.005, 1e-6), threads=1, prefill_nice=0, step_s_per_token=0.0,
-               conditional=False, local_prefill=None, router=None, **hw) -> Simulation:
+               conditional=False, local_prefill=None, router=None, bursts=None, **hw) -> Simulation:
     return Simulation(requests, mix=Mix(prefill, decode, colocated, conditional), steps=model or steps(),
                       transfer=transfer, engine=Engine(budget, 256, 16, 100_000, KV_BYTES),
                       hardware=Hardware(cores, threads, prefill_nice, step_s_per_token=step_s_per_token, **hw),
-                      router=router, local_prefill=local_prefill)
+                      router=router, local_prefill=local_prefill, bursts=bursts)
 
 
 def simulate(requests, **kw):
@@ -278,6 +278,28 @@ def test_conditional_prefills_locally_while_the_prefill_worker_is_a_bound_behind
     assert decisions["local_prefill_saturated"] == int(local)
     assert decisions["remote"] == 3 - int(local)
     assert third["ttft_s"] == pytest.approx(0.5 if local else 1.2 + 2 * 1.074 - 1.3)
+
+
+def test_pools_burst_while_the_other_pool_leaves_them_its_cores():
+    # 1P+1D on 2 cores, bursting to 2 threads at half the prompt cost, 0.6x the decode step.
+    # A alone: its prompt at the burst cost (nothing decodes), its decode steps too (no
+    # prefill pending). B arrives while A decodes: B's prompt at the 1-thread cost, A's steps
+    # at the 1-thread cost while B's KV is on its way, bursting again once it arrived.
+    normal, burst = steps(prefill_s=0.2, decode_base=0.02), steps(prefill_s=0.1, decode_base=0.012)
+    sim = simulation([req(0.0, 16, 60, 0), req(0.5, 16, 2, 1)], cores=2.0, model=normal,
+                     bursts=(burst, burst), decode_burst_threads=2, prefill_burst_threads=2)
+    a, b = sim.run().records
+    assert a["ttft_s"] == pytest.approx(0.1)
+    kv_a = 0.1 + 0.005 + 16 * KV_BYTES * 1e-6  # A's KV lands; its steps start then
+    step_at_b = kv_a + (0.5 - kv_a) // 0.012 * 0.012  # the step B's reservation waits for
+    assert b["ttft_s"] == pytest.approx(step_at_b + 0.012 + 0.2 - 0.5)
+    assert a["itl_s"][0] == pytest.approx(kv_a + 0.012 - 0.1)  # token 2 after the transfer
+    gaps = sorted(set(round(x, 6) for x in a["itl_s"][1:]))
+    assert gaps == [0.012, 0.02]  # bursting, but not while B's prompt is computed
+    # a colocated worker never bursts
+    colo = simulation([req(0.0, 16, 3, 0)], cores=2.0, colocated=True, model=normal, bursts=(burst, burst),
+                      decode_burst_threads=2, prefill_burst_threads=2).run().records[0]
+    assert colo["ttft_s"] == pytest.approx(0.2) and colo["tpot_s"] == pytest.approx(0.02)
 
 
 def test_a_mix_needs_its_workers():
