@@ -40,6 +40,7 @@ def test_profile_measures_fits_and_round_trips(ray_session, tiny_model_dir, tmp_
     assert prof["worker"]["weight_layouts"] == {"prefill": "blocked", "decode": "packed", "colocated": "packed"}
     assert set(pts["colocated"]) == {"prefill"} and len(pts["colocated"]["prefill"]) == 2 * 4
     assert PrefillModel.from_json(prof["fit"]["colocated"]["prefill"])(256) > 0
+    assert "burst" not in pts and "burst" not in prof["fit"]  # not asked for
 
 
 def test_each_kind_of_worker_is_timed_on_its_own_layout(ray_session, tiny_model_dir):
@@ -47,12 +48,17 @@ def test_each_kind_of_worker_is_timed_on_its_own_layout(ray_session, tiny_model_
                             mixed_setups=((4, 32, (32,)),), transfer_mb=())
     layouts = {"prefill": "plain", "decode": "blocked", "colocated": "packed"}
     prof = profile_mod.measure(str(tiny_model_dir), threads=1, prefill_nice=0, repeats=1, transfer=False,
-                               progress=lambda m: None, grid=grid, layouts=layouts)
+                               progress=lambda m: None, grid=grid, layouts=layouts, burst_threads=2)
     pts = prof["points"]
     assert set(pts["colocated"]) == {"prefill", "decode"}  # neither pool's layout: both grids again
     assert {p["batch"] for p in pts["colocated"]["decode"]} == {1, 2, 4}
     assert [p["prefill_tokens"] for p in pts["mixed"]] == [32]  # on the colocated worker's layout
     assert prof["worker"]["weight_layouts"] == layouts
+    # bursting: the pools' grids again on two threads, the decode pool's prompts on its own layout
+    burst = pts["burst"]
+    assert burst["threads"] == 2 and len(burst["prefill"]) == len(burst["local_prefill"]) == 3
+    assert {p["batch"] for p in burst["decode"]} == {1, 2, 4}
+    assert set(prof["fit"]["burst"]) == {"threads", "prefill", "decode", "local_prefill"}
 
 
 @pytest.mark.parametrize("layout", ["plain", "blocked"])
