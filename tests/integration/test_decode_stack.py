@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from services.engine import LLM, SamplingParams
-from services.engine.model import cpu_features, cpu_kernels, packed_linear
+from services.engine.model import amx_linear, cpu_features, cpu_kernels, packed_linear
 from services.engine.model.cpu_kernels import GEMV_MAX_ROWS
 from services.engine.model.decode_stack import DecodeStack
 from services.engine.model.onednn import AMX
@@ -49,9 +49,9 @@ def _run(llm: LLM, n: int):
 
 
 # (layout, weight dtype, rows of the widest step run): plain weights take the GEMV's rows,
-# packed ones any (bf16 weights are never packed)
+# packed ones any (bf16 weights packed: the AMX layout, where the CPU has it)
 CASES = [("plain", "float32", GEMV_MAX_ROWS), ("plain", "bfloat16", 2),
-         ("packed", "float32", GEMV_MAX_ROWS + 8)]
+         ("packed", "float32", GEMV_MAX_ROWS + 8), ("packed", "bfloat16", GEMV_MAX_ROWS + 8)]
 
 
 @pytest.mark.parametrize("layout,dtype,rows", CASES)
@@ -62,6 +62,8 @@ def test_the_stack_writes_what_the_python_forward_writes(checkpoints, arch, layo
         pytest.skip("no AVX-512 BF16 / AMX: bf16 weights run on the torch path")
     if layout == "packed" and packed_linear.load() is None:
         pytest.skip("no AVX-512 or AVX2 + FMA: weights asked to be packed take oneDNN's layout")
+    if (layout, dtype) == ("packed", "bfloat16") and amx_linear.load() is None:
+        pytest.skip("no AMX-BF16: bf16 weights asked to be packed take oneDNN's layout")
     native_llm, python_llm = (_engine(checkpoints[arch], dtype, layout) for _ in range(2))
     stack = native_llm.engine.runner.model.decode_stack
     assert stack is not None and stack.max_rows == (sys.maxsize if layout == "packed" else rows)
@@ -86,8 +88,8 @@ def test_no_stack_where_it_cannot_run(checkpoints):
     assert _engine(checkpoints["llama3"], "float32", "blocked").engine.runner.model.decode_stack is None
     if cpu_features.has_native_bf16():
         bf16 = _engine(checkpoints["llama3"], "bfloat16", "packed").engine.runner.model
-        # bf16 packed: the AMX layout (its own kernel a layer at a time) or blocked
-        assert bf16.layers[0].qkv_proj.layout in (AMX, "blocked") and bf16.decode_stack is None
+        # bf16 packed: the AMX layout, which the stack runs, or blocked, which it cannot
+        assert (bf16.layers[0].qkv_proj.layout == AMX) == (bf16.decode_stack is not None)
     no_kernels = LLM(str(checkpoints["llama3"]), num_threads=2, max_model_len=256, num_blocks=64,
                      cpu_weight_layout="plain", cpu_kernels=False)
     assert no_kernels.engine.runner.model.decode_stack is None

@@ -7,11 +7,10 @@ the same kernels in the same order with the same roundings: the hidden states an
 KV written are bit-identical to the Python path's.
 
 It runs where every projection is a ``CpuLinear`` on a native kernel (packed fp32
-weights, the default, for any number of rows; or plain weights on the GEMV, up to 16
-rows with fp32 weights and 2 with bf16: oneDNN's blocked layout is opaque to C, and
-bf16 weights packed for AMX take their own kernel a layer at a time), the
-layers have no q/k norms and the embedding table is fp32 or bf16 (or a tied head's packed
-weight). ``ModelRunner`` runs a step here when every row is a decode (one token per
+weights, the default, or bf16 weights packed for AMX, for any number of rows; or plain
+weights on the GEMV, up to 16 rows with fp32 weights and 2 with bf16: oneDNN's blocked
+layout is opaque to C), the layers have no q/k norms and the embedding table is fp32 or
+bf16 (or a tied head's packed weight). ``ModelRunner`` runs a step here when every row is a decode (one token per
 sequence), at most ``max_rows`` of them, with no per-layer callback; other steps keep the
 Python forward.
 """
@@ -25,7 +24,8 @@ import torch
 
 from services.engine.model.attention import TorchPagedAttention
 from services.engine.model.cpu_kernels import CpuKernels, head_splits
-from services.engine.model.onednn import CpuLinear
+from services.engine.model.amx_linear import AmxEmbedding
+from services.engine.model.onednn import AMX, CpuLinear
 from services.engine.model.packed_linear import PackedEmbedding
 
 if TYPE_CHECKING:
@@ -50,7 +50,8 @@ class _Stack(ctypes.Structure):
         ("eps", ctypes.c_float), ("scale", ctypes.c_float),
         ("weight_bf16", ctypes.c_int32), ("kv_bf16", ctypes.c_int32),
         ("weight_packed", ctypes.c_int32), ("embed_bf16", ctypes.c_int32),
-        ("embed_packed", ctypes.c_int32), ("embed", _ptr),
+        ("embed_packed", ctypes.c_int32), ("weight_amx", ctypes.c_int32), ("embed_amx", ctypes.c_int32),
+        ("embed", _ptr),
         ("cos", _ptr), ("sin", _ptr), ("final_norm", _ptr), ("layers", ctypes.POINTER(_Layer))]
 
 
@@ -78,12 +79,13 @@ class DecodeStack:
         self._tensors = (*tensors, table)  # what the pointers below point into
         self._layers = (_Layer * len(rows))(*rows)
         attn = model.attn
+        packed_table, amx_table = (isinstance(model.embed_tokens, c) for c in (PackedEmbedding, AmxEmbedding))
         self._stack = _Stack(
             len(layers), cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
             cfg.intermediate_size, 0, attn.sliding_window or 0, model.embed_tokens.num_embeddings,
             model.norm.eps, attn.scale, int(layers[0].qkv_proj.weight.dtype == torch.bfloat16), 0,
-            int(layers[0].qkv_proj.layout == "packed"), int(table.dtype == torch.bfloat16),
-            int(isinstance(model.embed_tokens, PackedEmbedding)), table.data_ptr(),
+            int(layers[0].qkv_proj.layout == "packed"), int(table.dtype == torch.bfloat16 and not amx_table),
+            int(packed_table), int(layers[0].qkv_proj.layout == AMX), int(amx_table), table.data_ptr(),
             model.rope.cos.data_ptr(), model.rope.sin.data_ptr(), model.norm.weight.data_ptr(),
             self._layers)
         fn = self._fn = kernels.lib.tandem_decode_stack
@@ -99,12 +101,12 @@ class DecodeStack:
             return None
         linears = [getattr(lay, name) for lay in model.layers for name in _PROJECTIONS]
         if not linears or not all(isinstance(lin, CpuLinear) and lin.native_rows > 0
-                                  and lin.layout in ("packed", "plain") for lin in linears):
+                                  and lin.layout in ("packed", AMX, "plain") for lin in linears):
             return None
         kinds = {(lin.weight.dtype, lin.layout) for lin in linears}
         if len(kinds) != 1 or any(lay.q_norm is not None for lay in model.layers):
             return None
-        table = model.embed_tokens.weight  # [vocab, hidden], or packed (PackedEmbedding)
+        table = model.embed_tokens.weight  # [vocab, hidden], or packed (PackedEmbedding, AmxEmbedding)
         if table.dtype not in (torch.float32, torch.bfloat16) or not table.is_contiguous():
             return None
         norms = [model.norm.eps, *(n.eps for lay in model.layers

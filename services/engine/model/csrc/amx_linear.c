@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
 #include "kv_load.h"
 #include "team.h"
 

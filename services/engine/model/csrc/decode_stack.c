@@ -15,18 +15,19 @@
  *   then       x += delta; out = RMSNorm(x)
  *
  * With bf16 weights each product's input and output are rounded to bf16 (and widened),
- * as CpuLinear rounds them. Supports the layers the Python path has: biases on any
+ * as CpuLinear rounds them (on the GEMV here; the AMX kernel rounds them itself). Supports the layers the Python path has: biases on any
  * projection, GQA, a sliding window; not q/k norms (the caller keeps those in Python).
  *
  *   ids       [M] int64 token ids; embed [vocab, hidden] fp32 or bf16 (the stack's table),
  *             or a tied head's packed weight [ceil(vocab / 32), hidden, 32] (embed_packed)
+ *             or AMX-packed bf16 one (embed_amx: 16 x 32 blocks, see amx_linear.c)
  *   x         [M, hidden] fp32 scratch (the residual stream), out [M, hidden] fp32
  *   positions [M] int64 (RoPE), slots [M] int64 (cache slot of each row's K/V)
  *   token_rows, last_pos [M] int64, block_table [M, table_stride] int64: the decode group
  *   kv        [layers, 2, num_blocks, block_size, KVH, D] fp32 or bf16 contiguous
  * Returns 0; -1 when a scratch buffer cannot be allocated (nothing written then, or the
  * step's KV partly), -2 when M is out of range (nothing done): 1 .. TANDEM_GEMV_MAX_ROWS
- * on plain weights, any M >= 1 on packed ones; -3 when a token id is not in the table, a
+ * on plain weights, any M >= 1 on packed and AMX ones; -3 when a token id is not in the table, a
  * token row not in 0 .. M - 1, a slot or a block a row reads not in the cache (nothing done).
  */
 #include <stdint.h>
@@ -37,8 +38,8 @@
 #include "kv_load.h"
 
 /* One decoder layer's parameters: plain weights [out, in] (fp32, or bf16 with
- * weight_bf16) or packed ones (fp32, weight_packed: see packed_linear.c), fp32 biases
- * or NULL. */
+ * weight_bf16) or packed ones (fp32, weight_packed: see packed_linear.c; bf16,
+ * weight_amx: see amx_linear.c), fp32 biases or NULL. */
 typedef struct {
     const float *input_norm, *post_norm;
     const void *qkv, *o, *gate_up, *down;
@@ -48,8 +49,8 @@ typedef struct {
 typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, inter, block_size, window, vocab;
     float eps, scale;
-    int32_t weight_bf16, kv_bf16, weight_packed, embed_bf16, embed_packed;
-    const void *embed;      /* [vocab, hidden], or packed (embed_packed) */
+    int32_t weight_bf16, kv_bf16, weight_packed, embed_bf16, embed_packed, weight_amx, embed_amx;
+    const void *embed;      /* [vocab, hidden], or packed (embed_packed, embed_amx) */
     const float *cos, *sin; /* [positions, D] */
     const float *final_norm;
     const tandem_layer *layers;
@@ -61,20 +62,23 @@ static inline float round_trip_bf16(float f) {
 }
 
 /* y [m, n] = x [m, k] @ w.T + bias, rounded as CpuLinear rounds it; tmp holds m * k.
- * On plain weights m is in the GEMV's range (checked on entry), so it cannot refuse it. */
-static void linear(const tandem_stack *s, const float *x, int64_t m, int64_t k, const void *w,
-                   const float *bias, float *y, int64_t n, float *tmp) {
+ * On plain weights m is in the GEMV's range (checked on entry), so it cannot refuse it.
+ * Returns 0, or -1 when the AMX kernel could not allocate its bf16 input. */
+static int linear(const tandem_stack *s, const float *x, int64_t m, int64_t k, const void *w,
+                  const float *bias, float *y, int64_t n, float *tmp) {
+    if (s->weight_amx) return tandem_amx_linear(x, m, k, (const uint16_t *)w, n, bias, y) == 0 ? 0 : -1;
     if (s->weight_packed) {
         tandem_packed_linear_f32(x, (const float *)w, bias, y, m, n, k);
-        return;
+        return 0;
     }
     if (!s->weight_bf16) {
         tandem_gemv_f32(x, (const float *)w, bias, y, m, n, k);
-        return;
+        return 0;
     }
     for (int64_t i = 0; i < m * k; ++i) tmp[i] = round_trip_bf16(x[i]);
     tandem_gemv_bf16(tmp, (const uint16_t *)w, bias, y, m, n, k);
     for (int64_t i = 0; i < m * n; ++i) y[i] = round_trip_bf16(y[i]);
+    return 0;
 }
 
 /* Row m's new K (or V) of kv_size values into its cache slot. */
@@ -93,7 +97,7 @@ int tandem_decode_stack(const tandem_stack *s, const int64_t *ids, float *x, flo
                         const int64_t *token_rows, const int64_t *last_pos,
                         const int64_t *block_table, int64_t table_stride, void *kv,
                         int64_t num_blocks, int64_t head_splits) {
-    if (m < 1 || (!s->weight_packed && m > TANDEM_GEMV_MAX_ROWS)) return -2;
+    if (m < 1 || (!s->weight_packed && !s->weight_amx && m > TANDEM_GEMV_MAX_ROWS)) return -2;
     for (int64_t r = 0; r < m; ++r) {
         if (ids[r] < 0 || ids[r] >= s->vocab || token_rows[r] < 0 || token_rows[r] >= m || slots[r] < 0
                 || slots[r] >= num_blocks * s->block_size || last_pos[r] < 0)
@@ -108,6 +112,11 @@ int tandem_decode_stack(const tandem_stack *s, const int64_t *ids, float *x, flo
         if (s->embed_bf16) {
             const uint16_t *row = (const uint16_t *)s->embed + ids[r] * hidden;
             for (int64_t i = 0; i < hidden; ++i) x[r * hidden + i] = tandem_load_bf16(row + i);
+        } else if (s->embed_amx) {  /* output ids[r] % 16 of block ids[r] / 16: a pair every 64 bytes */
+            const uint16_t *block = (const uint16_t *)s->embed + ids[r] / 16 * ((hidden + 31) / 32) * 512
+                                    + ids[r] % 16 * 2;
+            for (int64_t i = 0; i < hidden; ++i)
+                x[r * hidden + i] = tandem_load_bf16(block + i / 32 * 512 + i % 32 / 2 * 32 + i % 2);
         } else if (s->embed_packed) {  /* column ids[r] % 32 of panel ids[r] / 32 */
             const float *col = (const float *)s->embed + ids[r] / TANDEM_PACK_WIDTH * hidden * TANDEM_PACK_WIDTH
                                + ids[r] % TANDEM_PACK_WIDTH;
@@ -136,7 +145,7 @@ int tandem_decode_stack(const tandem_stack *s, const int64_t *ids, float *x, flo
         char *k_cache = (char *)kv + (size_t)(2 * l) * (size_t)cache_elems * elem;
         char *v_cache = k_cache + (size_t)cache_elems * elem;
         tandem_add_rms_norm_f32(x, l == 0 ? NULL : delta, h, L->input_norm, m, hidden, s->eps);
-        linear(s, h, m, hidden, L->qkv, L->qkv_bias, qkv, qkv_width, tmp);
+        if ((rc = linear(s, h, m, hidden, L->qkv, L->qkv_bias, qkv, qkv_width, tmp)) != 0) break;
         tandem_rope_f32(qkv, qkv_width, s->heads, qkv + q_size, qkv_width, s->kv_heads, s->cos,
                         s->sin, positions, m, d);
         for (int64_t r = 0; r < m; ++r) {
@@ -155,11 +164,11 @@ int tandem_decode_stack(const tandem_stack *s, const int64_t *ids, float *x, flo
                                             s->kv_heads, d, s->block_size, s->window, s->scale,
                                             head_splits);
         if (rc != 0) break; /* its scratch could not be allocated */
-        linear(s, attn, m, q_size, L->o, L->o_bias, o, hidden, tmp);
+        if ((rc = linear(s, attn, m, q_size, L->o, L->o_bias, o, hidden, tmp)) != 0) break;
         tandem_add_rms_norm_f32(x, o, h, L->post_norm, m, hidden, s->eps);
-        linear(s, h, m, hidden, L->gate_up, L->gate_up_bias, gu, 2 * inter, tmp);
+        if ((rc = linear(s, h, m, hidden, L->gate_up, L->gate_up_bias, gu, 2 * inter, tmp)) != 0) break;
         tandem_silu_mul_f32(gu, act, m, inter);
-        linear(s, act, m, inter, L->down, L->down_bias, delta, hidden, tmp);
+        if ((rc = linear(s, act, m, inter, L->down, L->down_bias, delta, hidden, tmp)) != 0) break;
     }
     if (rc == 0)
         tandem_add_rms_norm_f32(x, s->num_layers ? delta : NULL, out, s->final_norm, m, hidden, s->eps);
