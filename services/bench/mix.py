@@ -3,10 +3,14 @@ mode (``disaggregated``, ``conditional`` or ``colocated``), as `tandem serve` ru
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import re
 from dataclasses import dataclass
 
-from services.common.config import LOCAL_PREFILL_THRESHOLD, PREFILL_SATURATION_S
+from services.bench.cpu_share import Hardware
+from services.cluster import cpu_sizing
+from services.common.config import LOCAL_PREFILL_THRESHOLD, PREFILL_SATURATION_S, ClusterConfig
 from services.router.config import COLOCATED, CONDITIONAL, DISAGGREGATED
 
 _MIX = re.compile(r"^(?:(\d+)P\+(\d+)D(-conditional)?|colocated[x×*](\d+))$", re.IGNORECASE)
@@ -25,6 +29,19 @@ class Mix:
     def __post_init__(self) -> None:
         if self.colocated and self.conditional:
             raise ValueError("a mix is colocated or conditional, not both")
+
+    def bursts(self, hw: Hardware, profiled: int) -> Hardware:
+        """``hw`` with the burst threads ``tandem serve`` gives this mix's pools on one host
+        (``services.cluster.cpu_sizing``), kept where they are the ``profiled`` burst count
+        (0: none profiled) and dropped elsewhere."""
+        if self.colocated or not profiled or not math.isfinite(hw.cores):
+            return dataclasses.replace(hw, decode_burst_threads=0, prefill_burst_threads=0)
+        sized = cpu_sizing.resolve(ClusterConfig(mode=self.mode, prefill_workers=self.prefill,
+                                                 decode_workers=self.decode, threads_per_worker=hw.threads),
+                                   int(hw.cores))
+        return dataclasses.replace(
+            hw, decode_burst_threads=sized.decode_burst_threads if sized.decode_burst_threads == profiled else 0,
+            prefill_burst_threads=sized.prefill_burst_threads if sized.prefill_burst_threads == profiled else 0)
 
     @property
     def workers(self) -> int:

@@ -30,20 +30,20 @@ from services.bench.cpu_share import Hardware
 from services.bench.plan_sim import Simulation
 from services.bench.sim_worker import Engine, SimRequest
 from services.bench.profile import background_cores
-from services.cluster import cpu_sizing
-from services.common.config import LOCAL_PREFILL_THRESHOLD, PREFILL_SATURATION_S, ClusterConfig
+from services.common.config import LOCAL_PREFILL_THRESHOLD, PREFILL_SATURATION_S
 from services.router.config import RouterConfig
 
 SCHEMA = "tandem.plan/v1"
 
 
-def quiet_factor(prof: dict[str, Any]) -> float:
+def quiet_factor(prof: dict[str, Any], threads: int | None = None) -> float:
     """How much faster the profiled steps run on a quiet machine: the share of the cores the
-    profiled worker's threads got next to the cores other processes used meanwhile."""
+    profiled worker's threads (``threads``; default the profile's per worker) got next to
+    the cores other processes used meanwhile."""
     if str(prof["hardware"].get("device", "cpu")).startswith("cuda"):
         return 1.0  # other processes' CPU threads do not slow a GPU step down
     bg = background_cores(prof) or 0.0
-    threads = prof["worker"]["threads_per_worker"]
+    threads = threads or prof["worker"]["threads_per_worker"]
     return min(1.0, prof["hardware"]["cores"] / (threads + bg))
 
 
@@ -74,22 +74,9 @@ def burst_models(prof: dict[str, Any], quiet: bool = True) -> tuple[int, tuple[S
     pair = (StepModel(PrefillModel.from_json(b["prefill"]), decode),
             StepModel(PrefillModel.from_json(b["local_prefill"]), decode))
     if quiet:
-        factor = quiet_factor({**prof, "worker": {**prof["worker"], "threads_per_worker": b["threads"]}})
+        factor = quiet_factor(prof, b["threads"])
         pair = (pair[0].scaled(factor), pair[1].scaled(factor))
     return b["threads"], pair
-
-
-def mix_bursts(mix: Mix, hw: Hardware, profiled: int) -> Hardware:
-    """``hw`` with the burst threads ``tandem serve`` gives ``mix``'s pools on one host
-    (``services.cluster.cpu_sizing``), kept where they are the ``profiled`` burst count
-    (0: none profiled) and dropped elsewhere."""
-    if mix.colocated or not profiled or not math.isfinite(hw.cores):
-        return dataclasses.replace(hw, decode_burst_threads=0, prefill_burst_threads=0)
-    sized = cpu_sizing.resolve(ClusterConfig(mode=mix.mode, prefill_workers=mix.prefill, decode_workers=mix.decode,
-                                             threads_per_worker=hw.threads), int(hw.cores))
-    return dataclasses.replace(
-        hw, decode_burst_threads=sized.decode_burst_threads if sized.decode_burst_threads == profiled else 0,
-        prefill_burst_threads=sized.prefill_burst_threads if sized.prefill_burst_threads == profiled else 0)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -192,7 +179,7 @@ def simulate(mix: Mix, args: argparse.Namespace, rates: list[float], slo: SLO, p
     quiet = not args.keep_profile_load
     steps, transfer, engine = models(prof, quiet, mix.colocated)
     burst = burst_models(prof, quiet) if bursts_on(args) else None
-    hw = mix_bursts(mix, hw, burst[0] if burst else 0)
+    hw = mix.bursts(hw, burst[0] if burst else 0)
     # a conditional decode worker's prompts: the profile's prompt steps on the colocated
     # workers' layout, which is the decode pool's unless --decode-weight-layout set another
     local = models(prof, quiet, colocated=True)[0].prefill if mix.conditional else None

@@ -10,7 +10,6 @@ import yaml
 from services.bench import profile as profile_mod
 from services.bench.perf_model import DecodeModel, PrefillModel, StepModel, TransferModel, attention_pairs
 from services.bench.mix import Mix, all_mixes, helm_values
-from services.bench import plan as plan_mod
 from services.bench.cpu_share import Hardware
 from services.bench.plan import recommend
 from services.bench.plan_validate import error
@@ -193,16 +192,16 @@ def test_tandem_plan_takes_the_request_path_measured_on_this_host(tmp_path, caps
 
 def test_pools_burst_as_tandem_serve_sizes_them_where_the_profile_timed_it():
     hw = Hardware(2, 1)
-    one_each = plan_mod.mix_bursts(Mix(1, 1), hw, 2)
+    one_each = Mix(1, 1).bursts(hw, 2)
     assert (one_each.prefill_burst_threads, one_each.decode_burst_threads) == (2, 2)
-    two_prefill = plan_mod.mix_bursts(Mix(2, 1, conditional=True), hw, 2)  # 2 // 2 = 1 thread: no burst
+    two_prefill = Mix(2, 1, conditional=True).bursts(hw, 2)  # 2 // 2 = 1 thread: no burst
     assert (two_prefill.prefill_burst_threads, two_prefill.decode_burst_threads) == (0, 2)
     for mix, profiled in ((Mix(0, 2, colocated=True), 2), (Mix(1, 1), 0)):
-        none = plan_mod.mix_bursts(mix, hw, profiled)
+        none = mix.bursts(hw, profiled)
         assert (none.prefill_burst_threads, none.decode_burst_threads) == (0, 0)
     wide = Hardware(8, 2)  # 1P+1D: 8 threads each; 2P+2D: 4, which this profile did not time
-    assert plan_mod.mix_bursts(Mix(1, 1), wide, 8).decode_burst_threads == 8
-    assert plan_mod.mix_bursts(Mix(2, 2), wide, 8).decode_burst_threads == 0
+    assert Mix(1, 1).bursts(wide, 8).decode_burst_threads == 8
+    assert Mix(2, 2).bursts(wide, 8).decode_burst_threads == 0
 
 
 def test_tandem_plan_models_bursts_from_the_profile_unless_off_or_for_the_chart(tmp_path, capsys):
