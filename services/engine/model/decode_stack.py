@@ -43,14 +43,26 @@ class _Layer(ctypes.Structure):
         "qkv_bias", "o_bias", "gate_up_bias", "down_bias")]
 
 
+# TANDEM_WEIGHTS_* in csrc/decode_stack.c: the (layout, dtype) of weights the stack runs
+_WEIGHTS = {("plain", torch.float32): 0, ("plain", torch.bfloat16): 1, ("packed", torch.float32): 2,
+            (AMX, torch.bfloat16): 3}
+
+
+def _table_kind(embed: torch.nn.Module) -> int:
+    """TANDEM_TABLE_*: the embedding table plain fp32 or bf16, or a tied head's packed weight."""
+    if isinstance(embed, PackedEmbedding):
+        return 2
+    if isinstance(embed, AmxEmbedding):
+        return 3
+    return int(embed.weight.dtype == torch.bfloat16)
+
+
 class _Stack(ctypes.Structure):
     _fields_ = [*((name, _i64) for name in (
         "num_layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "block_size",
         "window", "vocab")),
         ("eps", ctypes.c_float), ("scale", ctypes.c_float),
-        ("weight_bf16", ctypes.c_int32), ("kv_bf16", ctypes.c_int32),
-        ("weight_packed", ctypes.c_int32), ("embed_bf16", ctypes.c_int32),
-        ("embed_packed", ctypes.c_int32), ("weight_amx", ctypes.c_int32), ("embed_amx", ctypes.c_int32),
+        ("weights", ctypes.c_int32), ("table", ctypes.c_int32), ("kv_bf16", ctypes.c_int32),
         ("embed", _ptr),
         ("cos", _ptr), ("sin", _ptr), ("final_norm", _ptr), ("layers", ctypes.POINTER(_Layer))]
 
@@ -79,13 +91,12 @@ class DecodeStack:
         self._tensors = (*tensors, table)  # what the pointers below point into
         self._layers = (_Layer * len(rows))(*rows)
         attn = model.attn
-        packed_table, amx_table = (isinstance(model.embed_tokens, c) for c in (PackedEmbedding, AmxEmbedding))
+        qkv = layers[0].qkv_proj
         self._stack = _Stack(
             len(layers), cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
             cfg.intermediate_size, 0, attn.sliding_window or 0, model.embed_tokens.num_embeddings,
-            model.norm.eps, attn.scale, int(layers[0].qkv_proj.weight.dtype == torch.bfloat16), 0,
-            int(layers[0].qkv_proj.layout == "packed"), int(table.dtype == torch.bfloat16 and not amx_table),
-            int(packed_table), int(layers[0].qkv_proj.layout == AMX), int(amx_table), table.data_ptr(),
+            model.norm.eps, attn.scale, _WEIGHTS[(qkv.layout, qkv.weight.dtype)],
+            _table_kind(model.embed_tokens), 0, table.data_ptr(),
             model.rope.cos.data_ptr(), model.rope.sin.data_ptr(), model.norm.weight.data_ptr(),
             self._layers)
         fn = self._fn = kernels.lib.tandem_decode_stack
@@ -101,7 +112,7 @@ class DecodeStack:
             return None
         linears = [getattr(lay, name) for lay in model.layers for name in _PROJECTIONS]
         if not linears or not all(isinstance(lin, CpuLinear) and lin.native_rows > 0
-                                  and lin.layout in ("packed", AMX, "plain") for lin in linears):
+                                  and (lin.layout, lin.weight.dtype) in _WEIGHTS for lin in linears):
             return None
         kinds = {(lin.weight.dtype, lin.layout) for lin in linears}
         if len(kinds) != 1 or any(lay.q_norm is not None for lay in model.layers):

@@ -19,8 +19,8 @@
  * projection, GQA, a sliding window; not q/k norms (the caller keeps those in Python).
  *
  *   ids       [M] int64 token ids; embed [vocab, hidden] fp32 or bf16 (the stack's table),
- *             or a tied head's packed weight [ceil(vocab / 32), hidden, 32] (embed_packed)
- *             or AMX-packed bf16 one (embed_amx: 16 x 32 blocks, see amx_linear.c)
+ *             or a tied head's packed weight: [ceil(vocab / 32), hidden, 32] fp32
+ *             (TANDEM_TABLE_PACKED) or bf16 in 16 x 32 blocks (TANDEM_TABLE_AMX, see amx_linear.c)
  *   x         [M, hidden] fp32 scratch (the residual stream), out [M, hidden] fp32
  *   positions [M] int64 (RoPE), slots [M] int64 (cache slot of each row's K/V)
  *   token_rows, last_pos [M] int64, block_table [M, table_stride] int64: the decode group
@@ -37,9 +37,13 @@
 #include "kernels.h"
 #include "kv_load.h"
 
-/* One decoder layer's parameters: plain weights [out, in] (fp32, or bf16 with
- * weight_bf16) or packed ones (fp32, weight_packed: see packed_linear.c; bf16,
- * weight_amx: see amx_linear.c), fp32 biases or NULL. */
+/* How the projections' weights are stored (``weights``): plain [out, in] fp32 or bf16
+ * (the GEMV), packed fp32 (packed_linear.c) or bf16 packed for AMX (amx_linear.c). */
+enum { TANDEM_WEIGHTS_F32, TANDEM_WEIGHTS_BF16, TANDEM_WEIGHTS_PACKED, TANDEM_WEIGHTS_AMX };
+/* How the embedding table is stored (``table``): plain fp32 or bf16, or a tied head's packed weight. */
+enum { TANDEM_TABLE_F32, TANDEM_TABLE_BF16, TANDEM_TABLE_PACKED, TANDEM_TABLE_AMX };
+
+/* One decoder layer's parameters: weights as the stack's ``weights`` says, fp32 biases or NULL. */
 typedef struct {
     const float *input_norm, *post_norm;
     const void *qkv, *o, *gate_up, *down;
@@ -49,8 +53,8 @@ typedef struct {
 typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, inter, block_size, window, vocab;
     float eps, scale;
-    int32_t weight_bf16, kv_bf16, weight_packed, embed_bf16, embed_packed, weight_amx, embed_amx;
-    const void *embed;      /* [vocab, hidden], or packed (embed_packed, embed_amx) */
+    int32_t weights, table, kv_bf16; /* TANDEM_WEIGHTS_*, TANDEM_TABLE_*, the cache's dtype */
+    const void *embed;               /* laid out as ``table`` says */
     const float *cos, *sin; /* [positions, D] */
     const float *final_norm;
     const tandem_layer *layers;
@@ -66,14 +70,15 @@ static inline float round_trip_bf16(float f) {
  * Returns 0, or -1 when the AMX kernel could not allocate its bf16 input. */
 static int linear(const tandem_stack *s, const float *x, int64_t m, int64_t k, const void *w,
                   const float *bias, float *y, int64_t n, float *tmp) {
-    if (s->weight_amx) return tandem_amx_linear(x, m, k, (const uint16_t *)w, n, bias, y) == 0 ? 0 : -1;
-    if (s->weight_packed) {
-        tandem_packed_linear_f32(x, (const float *)w, bias, y, m, n, k);
-        return 0;
-    }
-    if (!s->weight_bf16) {
-        tandem_gemv_f32(x, (const float *)w, bias, y, m, n, k);
-        return 0;
+    switch (s->weights) {
+        case TANDEM_WEIGHTS_AMX:
+            return tandem_amx_linear(x, m, k, (const uint16_t *)w, n, bias, y) == 0 ? 0 : -1;
+        case TANDEM_WEIGHTS_PACKED:
+            tandem_packed_linear_f32(x, (const float *)w, bias, y, m, n, k);
+            return 0;
+        case TANDEM_WEIGHTS_F32:
+            tandem_gemv_f32(x, (const float *)w, bias, y, m, n, k);
+            return 0;
     }
     for (int64_t i = 0; i < m * k; ++i) tmp[i] = round_trip_bf16(x[i]);
     tandem_gemv_bf16(tmp, (const uint16_t *)w, bias, y, m, n, k);
@@ -97,7 +102,8 @@ int tandem_decode_stack(const tandem_stack *s, const int64_t *ids, float *x, flo
                         const int64_t *token_rows, const int64_t *last_pos,
                         const int64_t *block_table, int64_t table_stride, void *kv,
                         int64_t num_blocks, int64_t head_splits) {
-    if (m < 1 || (!s->weight_packed && !s->weight_amx && m > TANDEM_GEMV_MAX_ROWS)) return -2;
+    const int gemv = s->weights == TANDEM_WEIGHTS_F32 || s->weights == TANDEM_WEIGHTS_BF16;
+    if (m < 1 || (gemv && m > TANDEM_GEMV_MAX_ROWS)) return -2;
     for (int64_t r = 0; r < m; ++r) {
         if (ids[r] < 0 || ids[r] >= s->vocab || token_rows[r] < 0 || token_rows[r] >= m || slots[r] < 0
                 || slots[r] >= num_blocks * s->block_size || last_pos[r] < 0)
@@ -109,15 +115,15 @@ int tandem_decode_stack(const tandem_stack *s, const int64_t *ids, float *x, flo
     }
     const int64_t hidden = s->hidden, d = s->head_dim;
     for (int64_t r = 0; r < m; ++r) {
-        if (s->embed_bf16) {
+        if (s->table == TANDEM_TABLE_BF16) {
             const uint16_t *row = (const uint16_t *)s->embed + ids[r] * hidden;
             for (int64_t i = 0; i < hidden; ++i) x[r * hidden + i] = tandem_load_bf16(row + i);
-        } else if (s->embed_amx) {  /* output ids[r] % 16 of block ids[r] / 16: a pair every 64 bytes */
+        } else if (s->table == TANDEM_TABLE_AMX) {  /* output ids[r] % 16 of block ids[r] / 16: a pair every 64 bytes */
             const uint16_t *block = (const uint16_t *)s->embed + ids[r] / 16 * ((hidden + 31) / 32) * 512
                                     + ids[r] % 16 * 2;
             for (int64_t i = 0; i < hidden; ++i)
                 x[r * hidden + i] = tandem_load_bf16(block + i / 32 * 512 + i % 32 / 2 * 32 + i % 2);
-        } else if (s->embed_packed) {  /* column ids[r] % 32 of panel ids[r] / 32 */
+        } else if (s->table == TANDEM_TABLE_PACKED) {  /* column ids[r] % 32 of panel ids[r] / 32 */
             const float *col = (const float *)s->embed + ids[r] / TANDEM_PACK_WIDTH * hidden * TANDEM_PACK_WIDTH
                                + ids[r] % TANDEM_PACK_WIDTH;
             for (int64_t i = 0; i < hidden; ++i) x[r * hidden + i] = col[i * TANDEM_PACK_WIDTH];
