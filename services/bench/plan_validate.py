@@ -82,6 +82,13 @@ def server_layout_args(prof: dict[str, Any]) -> list[str]:
             f"--decode-weight-layout={layouts['decode']}"]
 
 
+def burst_args(result: dict[str, Any]) -> list[str]:
+    """`tandem serve` flags for the burst threads a mix was simulated with (``simulate``'s
+    result); a --server-arg after them may still override them."""
+    b = result["bursts"]
+    return [f"--decode-burst-threads={b['decode']}", f"--prefill-burst-threads={b['prefill']}"]
+
+
 def error(predicted: float, measured: float) -> float | None:
     """Relative error of a prediction (None when nothing was measured)."""
     return predicted / measured - 1.0 if measured else None
@@ -113,11 +120,9 @@ def validate(args: argparse.Namespace, prof: dict[str, Any], mixes: list[Any], p
         load_before = runinfo.machine()["load_avg_at_start"]
         local = conditional_args(mix, args.local_prefill_threshold, args.prefill_saturation_s,
                                  defaults_too=True)
-        bursts = pred["bursts"]  # as simulated (--server-arg may still override them)
-        served = [f"--decode-burst-threads={bursts['decode']}", f"--prefill-burst-threads={bursts['prefill']}"]
         server = TandemServer(model, mode=mix.mode,
                               prefill_workers=0 if mix.colocated else mix.prefill, decode_workers=mix.decode,
-                              threads_per_worker=threads, extra_args=served + extra + local,
+                              threads_per_worker=threads, extra_args=burst_args(pred) + extra + local,
                               log_path=out_dir / f"measured-{mix.label}-server.log",
                               startup_timeout_s=args.startup_timeout)
         print(f"measuring {mix.label}: {' '.join(server.argv[3:])}", flush=True)

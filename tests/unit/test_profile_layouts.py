@@ -12,7 +12,7 @@ from services.bench import profile as profile_mod
 from services.bench.perf_model import attention_pairs
 from services.bench.mix import Mix, helm_values
 from services.bench.plan import models
-from services.bench.plan_validate import server_layout_args
+from services.bench.plan_validate import burst_args, server_layout_args
 from services.cluster.cli import build_parser, main as cli
 from services.cluster.serve import build_config
 from services.common.config import ClusterConfig, EngineConfig
@@ -104,6 +104,13 @@ def test_validation_serves_the_layouts_the_profile_timed():
     cluster = build_config(build_parser().parse_args(["serve", *flags]))
     assert profile_mod.pool_layouts(cluster) == prof["worker"]["weight_layouts"]
     assert server_layout_args(_prof(None)) == []
+
+
+@pytest.mark.parametrize("bursts", [{"prefill": 2, "decode": 2}, {"prefill": 0, "decode": 2}, {"prefill": 0, "decode": 0}])
+def test_validation_serves_the_bursts_the_plan_simulated(bursts):
+    args = ["serve", "--prefill-workers", "1", "--decode-workers", "1", *burst_args({"bursts": bursts})]
+    cluster = build_config(build_parser().parse_args(args))
+    assert (cluster.prefill_burst_threads, cluster.decode_burst_threads) == (bursts["prefill"], bursts["decode"])
 
 
 def test_helm_values_carry_the_profiled_layouts_of_the_chosen_mix():
