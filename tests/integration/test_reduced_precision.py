@@ -114,6 +114,23 @@ def test_bf16_weights_and_kv_stay_close_to_fp32(checkpoint, fp32_llm):
     assert gap > 0  # really ran in bf16
 
 
+@pytest.mark.skipif(amx_linear.load() is None, reason="no AMX-BF16 on this machine")
+def test_bf16_pools_answer_a_near_tie_alike_and_as_fp32_does():
+    """SmolLM2's first token for this question is a near-tie ("The" -1.883, "L" -1.965 in
+    fp32) that bf16-rounded logits tie, the lower id ("L") winning: the prefill pool's
+    blocked layers answered in French where the decode pool's packed ones said Paris. The
+    head is the same AMX head, unrounded, on both."""
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    sampling = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2)
+    answers = {}
+    for dtype, layout in (("float32", "packed"), ("bfloat16", "blocked"), ("bfloat16", "packed")):
+        out = LLM(None, dtype=dtype, cpu_weight_layout=layout).chat(question, sampling)[0].outputs[0]
+        answers[dtype, layout] = out.text
+        top = dict(out.logprobs[0].top)
+        assert len(set(top.values())) == len(top), top  # no tie among the first step's top two
+    assert len(set(answers.values())) == 1 and "Paris" in answers["float32", "packed"], answers
+
+
 def test_int8_weights_stay_close_to_fp32(checkpoint, fp32_llm):
     low = _llm(checkpoint, dtype="float32", quantization="int8")
     model = low.engine.runner.model

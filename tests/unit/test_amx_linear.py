@@ -1,5 +1,6 @@
 """bf16 linears on AMX tiles (where the CPU has AMX-BF16) against the bf16 product they
-stand for: x rounded to bf16, fp32 sums, bias added, each output rounded to bf16."""
+stand for: x rounded to bf16, fp32 sums, bias added, each output rounded to bf16 (an LM
+head's left as the fp32 sums)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,59 @@ def test_the_product_is_the_bf16_product_within_its_rounding(n, k, m, bias):
     assert ((got - ref).abs() <= step).all()
     assert (got == ref).float().mean() > 0.9
     assert torch.equal(got, got.bfloat16().float())  # every output a bf16 value
+
+
+def test_a_head_returns_the_fp32_sums_unrounded():
+    gen = torch.Generator().manual_seed(11)
+    w, b = torch.randn(300, 576, generator=gen).bfloat16(), torch.randn(300, generator=gen)
+    x = torch.randn(40, 576, generator=gen)
+    packed = kernels.pack(w)
+    sums = kernels.linear(x, packed, b, 300, round_output=False)
+    ref = x.bfloat16().double() @ w.double().T + b.double()
+    assert torch.allclose(sums.double(), ref, rtol=1e-5, atol=1e-4)  # fp32 sums in another order
+    assert not torch.equal(sums, sums.bfloat16().float())
+    # the layers' output is the same sums, rounded
+    assert torch.equal(kernels.linear(x, packed, b, 300), sums.bfloat16().float())
+
+
+def test_a_near_tie_in_the_logits_goes_to_the_larger_logit():
+    """Logits 20.02 and 20.05 round to one bf16 value (20.0; a step of 0.125 there), so a
+    rounded head ties them and the lower id wins; the head's unrounded logits do not."""
+    w = torch.zeros(2, 64)
+    w[0, 0], w[1, 0] = 1.0, 1.0
+    w[0, 1], w[1, 1] = 0.015625, 0.046875  # bf16 values; hidden 1.28 rounds to 1.28125: 20.02, 20.06
+    hidden = torch.zeros(1, 64)
+    hidden[0, 0], hidden[0, 1] = 20.0, 1.28
+    head = CpuLinear(w, None, torch.bfloat16, True, "packed", logits=True)
+    rounded = CpuLinear(w, None, torch.bfloat16, False, "blocked")  # oneDNN's product
+    logits, tied = head(hidden)[0], rounded(hidden)[0]
+    assert tied[0] == tied[1] and tied.argmax() == 0
+    assert logits[1] - logits[0] > 0.03 and logits.argmax() == 1
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("layout", ["packed", "blocked", "plain"])
+def test_a_bf16_lm_head_takes_the_amx_layout_whatever_the_layers_layout(tied, layout):
+    """So every pool (the prefill pool's layers are blocked) gets the same unrounded logits."""
+    cfg = ModelConfig.from_dict({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64,
+        "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "tie_word_embeddings": tied})
+    torch.manual_seed(1)
+    model, reference = LlamaModel(cfg), LlamaModel(cfg)
+    reference.load_state_dict(model.state_dict())
+    model.use_onednn(torch.bfloat16, layout=layout)
+    reference.use_onednn(torch.bfloat16, layout="packed")
+    assert onednn.head_layout(layout, torch.bfloat16, True) == "packed"
+    assert onednn.head_layout(layout, torch.float32, True) == layout
+    assert onednn.head_layout(layout, torch.bfloat16, False) == layout  # no native kernels
+    head = model.lm_head
+    assert head.layout == AMX and head.packed_options == {"round_output": False}
+    assert model.layers[0].down_proj.layout == onednn.storage_layout(layout, torch.bfloat16, True)
+    assert isinstance(model.embed_tokens, amx_linear.AmxEmbedding) == tied
+    hidden = torch.randn(3, 64)
+    assert torch.equal(head(hidden), reference.lm_head(hidden))
+    assert torch.equal(model.compute_logits(hidden), head(hidden))
 
 
 def test_a_row_gives_the_same_bits_alone_and_in_any_batch():
@@ -102,7 +156,7 @@ def test_a_tied_bf16_head_is_stored_once_in_the_amx_layout():
     plain.load_state_dict(packed.state_dict())
     table = packed.embed_tokens.weight.detach().bfloat16()
     packed.use_onednn(torch.bfloat16, layout="packed")
-    plain.use_onednn(torch.bfloat16, layout="blocked")
+    plain.use_onednn(torch.bfloat16, native=False, layout="blocked")  # oneDNN's head, rounded
     embed, head = packed.embed_tokens, packed.lm_head
     assert isinstance(embed, amx_linear.AmxEmbedding) and head.layout == AMX
     assert embed.weight is head.weight  # stored once

@@ -5,8 +5,9 @@ tile product's pair-interleaved layout. A call rounds its fp32 input to bf16, ac
 in fp32 on the tiles and rounds each output (bias added) to bf16, returned as fp32: the
 values oneDNN's bf16 product gives, up to the order of the fp32 sums. Each output is the
 same accumulation whatever the batch, so a row's result does not depend on its batch.
-A tied LM head is packed too, and the embedding lookup reads its rows from the packed
-weight (``AmxEmbedding``). Over SmolLM2-135M's shapes on 2 threads of an Intel Xeon with AMX it is 1.0-1.8x oneDNN's
+An LM head is packed here whatever the layers' layout and returns its fp32 sums unrounded
+(``onednn.head_layout``); a tied one is stored once, the embedding lookup reading its rows
+from the packed weight (``AmxEmbedding``). Over SmolLM2-135M's shapes on 2 threads of an Intel Xeon with AMX it is 1.0-1.8x oneDNN's
 blocked bf16 product with its input and output conversions at 256-1,024 rows (gate|up at
 1,024 rows level with it) and 1.75-2.6x at 32 (services/bench/RESULTS.md).
 """
@@ -39,7 +40,7 @@ class AmxLinearKernels:
         lib = kernels.lib
         self._pack = bind(lib, "tandem_amx_pack_linear", None, _ptr, _ptr, _i64, _i64)
         self._linear = bind(lib, "tandem_amx_linear", ctypes.c_int,
-                            _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr)
+                            _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, ctypes.c_int)
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """``weight [N, K]`` bf16 -> its packed copy, flat (``packed_numel(N, K)`` elements)."""
@@ -47,9 +48,10 @@ class AmxLinearKernels:
                            lambda n, k: (packed_numel(n, k),))
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
-               n_out: int) -> torch.Tensor:
+               n_out: int, round_output: bool = True) -> torch.Tensor:
         """``bf16(x [M, K] @ W.T + bias)`` -> ``[M, n_out]`` fp32, with ``packed`` from
-        ``pack(W)``; ``x`` and ``bias`` fp32."""
+        ``pack(W)``; ``x`` and ``bias`` fp32. ``round_output=False``: the fp32 sums as they
+        are (an LM head's logits)."""
         for t in (x, *(() if bias is None else (bias,))):
             if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
                 raise ValueError("AMX linears need contiguous fp32 CPU inputs and bias")
@@ -61,7 +63,8 @@ class AmxLinearKernels:
         out = x.new_empty(x.shape[0], n_out)
         if x.shape[0]:
             rc = self._linear(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), n_out,
-                              None if bias is None else bias.data_ptr(), out.data_ptr())
+                              None if bias is None else bias.data_ptr(), out.data_ptr(),
+                              int(round_output))
             if rc != 0:
                 raise MemoryError("the AMX linear could not allocate its bf16 input")
         return out

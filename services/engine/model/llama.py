@@ -96,25 +96,31 @@ class LlamaModel(nn.Module):
         """CPU: every projection and the LM head as a ``CpuLinear`` with ``weight_dtype`` (fp32
         or bf16) weights, each stored once in ``layout`` (see onednn.py): packed for the
         native kernel; blocked for oneDNN; plain for oneDNN and the native GEMV for
-        decode-sized inputs. The embedding table takes ``weight_dtype`` too (rows are
+        decode-sized inputs. The LM head takes ``onednn.head_layout`` (bf16 on AMX: packed,
+        its logits unrounded). The embedding table takes ``weight_dtype`` too (rows are
         widened on lookup). A tied head packed (fp32, or bf16 on AMX), the table is looked
         up in the packed head (``PackedEmbedding``, ``AmxEmbedding``); in another layout the
         head shares the table, plain.
         ``native=False``: no native kernel (oneDNN for every input)."""
+        head_layout = onednn.head_layout(layout, weight_dtype, native)
+        if self.lm_head is not None:
+            self.lm_head = onednn.CpuLinear(self.lm_head.weight, self.lm_head.bias, weight_dtype,
+                                            native, head_layout, logits=True)
         onednn.replace_linears(self, weight_dtype, native, layout)
         table = self.embed_tokens.weight
         table.data = table.data.to(weight_dtype)
-        if self.lm_head is not None:
+        if not self.config.tie_word_embeddings:
             return
-        stored = onednn.storage_layout(layout, weight_dtype, native)
+        stored = onednn.storage_layout(head_layout, weight_dtype, native)
         if stored in ("packed", onednn.AMX):
-            self.lm_head = onednn.CpuLinear(table, None, weight_dtype, native, "packed")
+            self.lm_head = onednn.CpuLinear(table, None, weight_dtype, native, "packed", logits=True)
             # the plain table is dropped: stored once, packed
             self.embed_tokens = packed_linear.PackedEmbedding(self.lm_head.weight, table.shape[0]) \
                 if stored == "packed" else amx_linear.AmxEmbedding(self.lm_head.weight, *table.shape)
         else:  # every decode step reads all of it: huge pages (huge_pages.py)
             table.data = huge_pages.copy_of(table.data)
-            self.lm_head = onednn.CpuLinear(table, None, weight_dtype, native, layout, shared=True)
+            self.lm_head = onednn.CpuLinear(table, None, weight_dtype, native, head_layout,
+                                            shared=True, logits=True)
 
     def use_int8(self) -> int:
         """Weight-only int8 (per output channel) projections and LM head; returns how many."""

@@ -25,6 +25,12 @@ Activations stay fp32; with bf16 weights the input is rounded to bf16 for the
 product (oneDNN's, the AMX kernel's, or the GEMV's, which widens both to fp32) and the
 output to bf16, as oneDNN returns it, before it is fp32 again: a row's result does not
 depend on which path ran it. Results differ from MKL's only in float rounding.
+
+The LM head is the exception where the CPU has AMX-BF16: a bf16 head is packed for the
+AMX kernel whatever the layers' layout (``head_layout``) and returns its fp32 sums
+unrounded. Rounded, logits of 16-32 move in steps of 0.125, two near-tied tokens round
+to one value and the tie goes to the lower id; a pool on oneDNN's head and one on the
+AMX head then pick different first tokens for the same prompt.
 """
 
 from __future__ import annotations
@@ -55,12 +61,14 @@ class CpuLinear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
                  dtype: torch.dtype = torch.float32, native: bool = True,
-                 layout: str = "blocked", shared: bool = False) -> None:
+                 layout: str = "blocked", shared: bool = False, logits: bool = False) -> None:
         """``weight [out, in]``; ``native``: the native kernels may run it; ``layout``:
         blocked | plain | packed (see ``storage_layout``); ``shared``: it is also read
-        elsewhere (a tied LM head's embedding table), so it stays plain and is not copied."""
+        elsewhere (a tied LM head's embedding table), so it stays plain and is not copied;
+        ``logits``: an LM head, whose output the AMX kernel leaves unrounded."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        self.packed_options: dict = {}  # the packed kernel's options, beyond its operands
         plain = weight.detach().to(dtype).contiguous()  # no copy when ``weight`` already is one
         self.layout = "plain" if shared else storage_layout(layout, dtype, native)
         if self.layout == "packed":
@@ -69,6 +77,7 @@ class CpuLinear(nn.Module):
         elif self.layout == AMX:
             self.packed = amx_linear.load()
             self.weight = self.packed.pack(plain)  # flat: 16 x 32 blocks
+            self.packed_options = {"round_output": not logits}
         else:  # [out, in]: plain, or oneDNN's blocked layout (an opaque tensor)
             self.weight = torch.ops.mkldnn._reorder_linear_weight(plain, None) \
                 if self.layout == "blocked" else plain if shared else huge_pages.copy_of(plain)
@@ -90,7 +99,8 @@ class CpuLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         if self.packed is not None:
-            y = self.packed.linear(flat.contiguous(), self.weight, self.bias, self.out_features)
+            y = self.packed.linear(flat.contiguous(), self.weight, self.bias, self.out_features,
+                                   **self.packed_options)
         elif flat.shape[0] <= self.native_rows:
             # input and output rounded to ``dtype`` as oneDNN rounds them (no-ops for fp32):
             # a token's logits must not depend on how many rows its step had
@@ -134,6 +144,16 @@ def storage_layout(layout: str, dtype: torch.dtype, native: bool) -> str:
         return AMX
     if layout == "packed" and not (dtype == torch.float32 and native and packed_linear.load() is not None):
         return "blocked"
+    return layout
+
+
+def head_layout(layout: str, dtype: torch.dtype, native: bool) -> str:
+    """The layout an LM head of ``dtype`` is asked for beside layers in ``layout``: packed
+    where that stores bf16 weights for AMX (the head's logits then come back unrounded, on
+    every pool whatever its layers' layout), else ``layout``."""
+    storage_layout(layout, dtype, native)  # checks ``layout``
+    if dtype == torch.bfloat16 and storage_layout("packed", dtype, native) == AMX:
+        return "packed"
     return layout
 
 

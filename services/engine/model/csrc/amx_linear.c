@@ -1,5 +1,6 @@
 /* bf16 linears on AMX tiles: y = bf16(x W^T + b) written as fp32, x fp32 (rounded to bf16
- * for the product, as oneDNN rounds a bf16 product's input), W bf16 packed once.
+ * for the product, as oneDNN rounds a bf16 product's input), W bf16 packed once. With
+ * round_output 0 (an LM head: logits) y is the fp32 sum itself, not rounded to bf16.
  *
  * Packed weight: blocks of 16 outputs x 32 inputs in the tile product's pair-interleaved
  * layout, 1 KB each, input-major within an output block:
@@ -46,24 +47,26 @@ void tandem_amx_pack_linear(const uint16_t *w, uint16_t *wp, int64_t N, int64_t 
 }
 
 /* Rows m0 .. m0 + 31 of the item's 32 x 32 fp32 tile block ``c`` into ``out`` (rows < M,
- * outputs n0 .. n0 + nn - 1), plus the bias, rounded to bf16. */
+ * outputs n0 .. n0 + nn - 1), plus the bias, rounded to bf16 if ``round_output``. */
 static inline void tandem_amx_linear_store(const float *c, float *out, const float *bias,
                                            int64_t m0, int64_t M, int64_t n0, int64_t nn,
-                                           int64_t N) {
+                                           int64_t N, int round_output) {
     for (int64_t r = 0; r < 32 && m0 + r < M; ++r)
         for (int64_t j0 = 0; j0 < nn; j0 += 16) {
             const __mmask16 keep = nn - j0 >= 16 ? (__mmask16)0xffff
                                                  : (__mmask16)((1u << (nn - j0)) - 1);
             __m512 v = _mm512_load_ps(c + r * 32 + j0);
             if (bias != NULL) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, bias + n0 + j0));
-            const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
-            v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+            if (round_output) {
+                const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+                v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+            }
             _mm512_mask_storeu_ps(out + (m0 + r) * N + n0 + j0, keep, v);
         }
 }
 
 int tandem_amx_linear(const float *x, int64_t M, int64_t K, const uint16_t *wp, int64_t N,
-                      const float *bias, float *out) {
+                      const float *bias, float *out, int round_output) {
     if (!tandem_amx_permitted()) return -2;
     const int64_t Kb = (K + 31) / 32, Kp = Kb * 32, Nb = ((N + 15) / 16 + 1) / 2 * 2;
     const int64_t Mp = (M + 31) / 32 * 32, npairs = Nb / 2;
@@ -116,7 +119,8 @@ int tandem_amx_linear(const float *x, int64_t M, int64_t K, const uint16_t *wp, 
             _tile_stored(2, c + 16 * 32, 128);
             _tile_stored(3, c + 16 * 32 + 16, 128);
             const int64_t n0 = np * 32;
-            tandem_amx_linear_store(c, out, bias, mb * 32, M, n0, N - n0 < 32 ? N - n0 : 32, N);
+            tandem_amx_linear_store(c, out, bias, mb * 32, M, n0, N - n0 < 32 ? N - n0 : 32, N,
+                                     round_output);
         }
         _tile_release();
     }
@@ -128,7 +132,7 @@ int tandem_amx_linear(const float *x, int64_t M, int64_t K, const uint16_t *wp, 
 int tandem_amx_linear_supported(void) { return 0; }
 void tandem_amx_pack_linear(const uint16_t *w, uint16_t *wp, int64_t N, int64_t K) {}
 int tandem_amx_linear(const float *x, int64_t M, int64_t K, const uint16_t *wp, int64_t N,
-                      const float *bias, float *out) {
+                      const float *bias, float *out, int round_output) {
     return -2;
 }
 #endif

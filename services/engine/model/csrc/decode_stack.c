@@ -72,7 +72,7 @@ static int linear(const tandem_stack *s, const float *x, int64_t m, int64_t k, c
                   const float *bias, float *y, int64_t n, float *tmp) {
     switch (s->weights) {
         case TANDEM_WEIGHTS_AMX:
-            return tandem_amx_linear(x, m, k, (const uint16_t *)w, n, bias, y) == 0 ? 0 : -1;
+            return tandem_amx_linear(x, m, k, (const uint16_t *)w, n, bias, y, 1) == 0 ? 0 : -1;
         case TANDEM_WEIGHTS_PACKED:
             tandem_packed_linear_f32(x, (const float *)w, bias, y, m, n, k);
             return 0;

@@ -24,7 +24,7 @@ int tandem_gemv_bf16(const float *x, const uint16_t *w, const float *bias, float
 
 /* amx_linear.c (returns -2 where the CPU or the process has no AMX tiles) */
 int tandem_amx_linear(const float *x, int64_t M, int64_t K, const uint16_t *wp, int64_t N,
-                      const float *bias, float *out);
+                      const float *bias, float *out, int round_output);
 
 /* packed_linear.c */
 void tandem_pack_linear_f32(const float *w, float *packed, int64_t n_out, int64_t k_in);
