@@ -119,7 +119,7 @@ def _prompt(args: argparse.Namespace, kernels: CpuKernels) -> int:
         token_index=torch.arange(rows * n).view(rows, n), valid_flat=None,
         token_rows=torch.arange(rows * n), block_table=table,
         last_pos=torch.full((rows,), context - 1), mask=mask, first_row=torch.arange(rows) * n,
-        first_pos=torch.full((rows,), start), query_len=torch.full((rows,), n))
+        first_pos=torch.full((rows,), start), query_len=torch.full((rows,), n), prompt=True)
     meta = AttentionMetadata(slot_mapping=slots, groups=[group])
     sides = {"native": TorchPagedAttention(d ** -0.5, kernels=kernels, amx_prompts=False),
              "torch": TorchPagedAttention(d ** -0.5, amx_prompts=False)}

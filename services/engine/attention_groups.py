@@ -13,8 +13,9 @@ from services.engine.varlen_inputs import Entry
 
 
 def build_group(entries: list[Entry], block_size: int, sliding_window: int | None,
-                device: torch.device) -> AttentionGroup | None:
-    """Pad ``entries`` into one attention group; None if there are none."""
+                device: torch.device, prompt: bool) -> AttentionGroup | None:
+    """Pad ``entries`` into one attention group (``prompt``: of prompt chunks); None if
+    there are none."""
     if not entries:
         return None
     bs = block_size
@@ -24,7 +25,7 @@ def build_group(entries: list[Entry], block_size: int, sliding_window: int | Non
     table = torch.tensor([(e[3][:-(-(e[1] + e[2]) // bs)] + pad)[:max_blocks]
                           for e in entries], dtype=torch.long)  # one copy, not one per row
     if q_len == 1:
-        return _decode_group(entries, table, bs, sliding_window, device)
+        return _decode_group(entries, table, bs, sliding_window, device, prompt)
     offsets = torch.tensor([e[0] for e in entries])  # [B]
     starts = torch.tensor([e[1] for e in entries])
     lens = torch.tensor([e[2] for e in entries])
@@ -48,11 +49,11 @@ def build_group(entries: list[Entry], block_size: int, sliding_window: int | Non
         mask=mask,
         first_row=offsets.to(device),
         first_pos=starts.to(device),
-        query_len=lens.to(device))
+        query_len=lens.to(device), prompt=prompt)
 
 
 def _decode_group(entries: list[Entry], table: torch.Tensor, bs: int,
-                  sliding_window: int | None, device: torch.device) -> AttentionGroup:
+                  sliding_window: int | None, device: torch.device, prompt: bool) -> AttentionGroup:
     """``build_group`` where every entry has one query row (what a decode step has): the
     same tensors from fewer ops, since a host step's small ops dominate its overhead."""
     rows = torch.tensor([[e[0] for e in entries], [e[1] for e in entries], [1] * len(entries)])
@@ -61,7 +62,8 @@ def _decode_group(entries: list[Entry], table: torch.Tensor, bs: int,
     return AttentionGroup(
         token_index=offsets[:, None].to(device), valid_flat=None, token_rows=offsets.to(device),
         block_table=table.to(device), last_pos=starts.to(device), mask=mask.unsqueeze(1).to(device),
-        first_row=offsets.to(device), first_pos=starts.to(device), query_len=ones.to(device))
+        first_row=offsets.to(device), first_pos=starts.to(device), query_len=ones.to(device),
+        prompt=prompt)
 
 
 def _mask(q_pos: torch.Tensor, keys: int, sliding_window: int | None) -> torch.Tensor:

@@ -97,9 +97,11 @@ class ModelRunner:
         A plain sampling entry commits one token; a speculating one commits its
         accepted draft tokens and then the target's own token (1 to k + 1).
         """
-        # Attention groups: 0 decodes, 1 speculating decodes, 2 prefill chunks.
-        kind = [1 if it.draft_token_ids else 0 if it.num_new_tokens == 1 else 2
-                for it in scheduled]
+        # Attention groups: 0 decodes, 1 speculating decodes, 2 prefill chunks (a prompt's
+        # chunk of one token too: prompt rows take the prompt kernels whatever their chunk)
+        kind = [1 if it.draft_token_ids else
+                0 if it.num_new_tokens == 1 and it.seq.num_computed_tokens >= it.seq.num_prompt_tokens
+                else 2 for it in scheduled]
         order = sorted(range(len(scheduled)), key=kind.__getitem__)
         ids: list[int] = []
         positions: list[int] = []
@@ -161,8 +163,9 @@ class ModelRunner:
             flat = torch.tensor([ids, positions, slots], dtype=torch.long).to(dev)  # [3, T]
             meta = AttentionMetadata(
                 slot_mapping=flat[2],
-                groups=[g for g in (build_group(e, self.block_size, self.sliding_window, dev)
-                                    for e in [decodes, speculating, *same_shape(chunks)])
+                groups=[g for g in (build_group(e, self.block_size, self.sliding_window, dev, prompt)
+                                    for e, prompt in [(decodes, False), (speculating, False),
+                                                      *((c, True) for c in same_shape(chunks))])
                         if g is not None])
             hidden = self.model(flat[0], flat[1], self.kv_cache.kv, meta, on_layer_done)
         if not sample_rows:

@@ -114,6 +114,39 @@ def test_bf16_weights_and_kv_stay_close_to_fp32(checkpoint, fp32_llm):
     assert gap > 0  # really ran in bf16
 
 
+@pytest.fixture(scope="module")
+def head_32_checkpoint(tmp_path_factory) -> Path:
+    from services.engine.default_model import write_model
+
+    return write_model("small", tmp_path_factory.mktemp("small") / "model")  # 8 heads of 32
+
+
+@pytest.mark.skipif(not cpu_features.has_native_bf16(), reason="no AVX-512 BF16 / AMX")
+@pytest.mark.parametrize("model", ["checkpoint", "head_32_checkpoint"])
+def test_a_bf16_prompt_computes_alike_whatever_chunks_it_is_cut_in(model, request):
+    """The token budget and the prefix cache cut prompts anywhere (a cache hit leaves rows
+    of one block to compute): a prompt row's logits must not depend on the chunk it fell
+    in. On AMX every prompt chunk, one row too, takes the bf16 products of the AMX
+    attention where it takes the head size (32 here), else the fp32 math (16)."""
+    checkpoint = request.getfixturevalue(model)
+    prompt = list(range(60, 100))  # 40 tokens: two full blocks and a partial one
+    sampling = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3)
+
+    def run(llm: LLM, cached_tokens: int = 0) -> tuple:
+        request = llm.generate([prompt], sampling)[0]
+        assert request.num_cached_tokens == cached_tokens
+        out = request.outputs[0]
+        return out.token_ids, [step.top for step in out.logprobs]
+
+    whole = run(_llm(checkpoint, dtype="bfloat16", enable_prefix_caching=False))
+    for budget in (16, 7, 1):
+        llm = _llm(checkpoint, dtype="bfloat16", enable_prefix_caching=False, max_num_batched_tokens=budget)
+        assert run(llm) == whole, budget
+    cached = _llm(checkpoint, dtype="bfloat16", enable_prefix_caching=True)
+    assert run(cached) == whole
+    assert run(cached, cached_tokens=32) == whole  # two blocks from the cache, 8 rows computed
+
+
 @pytest.mark.skipif(amx_linear.load() is None, reason="no AMX-BF16 on this machine")
 def test_bf16_pools_answer_a_near_tie_alike_and_as_fp32_does():
     """SmolLM2's first token for this question is a near-tie ("The" -1.883, "L" -1.965 in

@@ -38,8 +38,10 @@ def expected(entries, window):
     [(0, 9, 1, [7, 2, 5, 1]), (1, 0, 1, [3]), (2, 4, 1, [6, 0]), (3, 15, 1, [1, 2, 3, 4, 8])],
     [(0, 5, 3, [7, 2, 5]), (3, 0, 1, [4]), (4, 8, 2, [1, 2, 3])],  # padded: lengths 3, 1, 2
 ])
-def test_groups_match_their_definition(entries, window) -> None:
-    g = build_group(entries, BS, window, CPU)
+@pytest.mark.parametrize("prompt", [True, False])
+def test_groups_match_their_definition(entries, window, prompt) -> None:
+    g = build_group(entries, BS, window, CPU, prompt)
+    assert g.prompt is prompt
     want = expected(entries, window)
     for name in ("token_index", "token_rows", "block_table", "last_pos", "first_row", "first_pos",
                  "query_len"):
@@ -56,9 +58,10 @@ def test_groups_match_their_definition(entries, window) -> None:
 
 def test_whole_prompts_from_position_zero_are_causal_without_a_mask() -> None:
     entries = [(0, 0, 3, [1]), (3, 0, 3, [2])]
-    assert build_group(entries, BS, None, CPU).mask is None
-    assert build_group(entries, BS, 2, CPU).mask is not None  # the window cuts into the prompt
-    assert build_group([], BS, None, CPU) is None
+    assert build_group(entries, BS, None, CPU, prompt=True).mask is None
+    # the window cuts into the prompt
+    assert build_group(entries, BS, 2, CPU, prompt=True).mask is not None
+    assert build_group([], BS, None, CPU, prompt=True) is None
 
 
 def test_chunks_group_by_cursor_and_length() -> None:

@@ -173,7 +173,7 @@ def _chunk_case():
         token_index=torch.arange(64)[None], valid_flat=None, token_rows=torch.arange(64),
         block_table=table, last_pos=torch.tensor([100]),
         mask=(keys[None, :] <= pos[:, None])[None, None], first_row=torch.tensor([0]),
-        first_pos=torch.tensor([37]), query_len=torch.tensor([64]))
+        first_pos=torch.tensor([37]), query_len=torch.tensor([64]), prompt=True)
     return q, k, v, k_cache, v_cache, AttentionMetadata(slot_mapping=slots, groups=[group])
 
 
@@ -220,7 +220,7 @@ def test_prompts_over_a_bf16_cache_attend_in_bf16_where_the_cpu_has_amx(monkeypa
             token_index=torch.arange(150)[None], valid_flat=None, token_rows=torch.arange(150),
             block_table=table, last_pos=torch.tensor([149]), mask=None,
             first_row=torch.tensor([0]), first_pos=torch.tensor([0]),
-            query_len=torch.tensor([150]))])
+            query_len=torch.tensor([150]), prompt=True)])
     k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
     calls = []
     monkeypatch.setattr(kernels, "paged_prefill", _counting(kernels.paged_prefill, calls))

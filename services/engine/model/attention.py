@@ -21,9 +21,6 @@ import torch.nn.functional as F
 from services.engine.model import cpu_features
 from services.engine.model.cpu_kernels import CpuKernels
 
-AMX_MIN_QUERY = 16  # rows of an AMX tile: shorter groups leave it mostly empty
-
-
 @dataclass
 class AttentionGroup:
     """Sequences with the same padded query length, attended in one call (a native
@@ -43,6 +40,7 @@ class AttentionGroup:
     first_row: torch.Tensor  # [B] long: flat token row of each sequence's first query
     first_pos: torch.Tensor  # [B] long: position of each sequence's first query
     query_len: torch.Tensor  # [B] long: real queries of each sequence (its rows are consecutive)
+    prompt: bool  # prompt chunks (else decode or speculative verify rows)
 
 
 @dataclass
@@ -75,7 +73,7 @@ class AttentionMetadata:
         if len(self.groups) != 1:
             return None
         g = self.groups[0]
-        return g if g.valid_flat is None and g.token_index.shape[1] == 1 else None
+        return g if not g.prompt and g.valid_flat is None and g.token_index.shape[1] == 1 else None
 
 
 class AttentionBackend(Protocol):
@@ -99,12 +97,16 @@ class TorchPagedAttention:
     native kernels read each sequence's blocks where they lie, one for decode rows and
     one for prompt chunks (where the CPU and head size allow; SDPA otherwise).
 
-    With ``amx_prompts`` (default: the CPU has AMX bf16 tiles), prompt groups of at least
-    ``AMX_MIN_QUERY`` rows over a bf16 cache run their products in bf16 on AMX: the native
-    AMX kernel where it is loaded (reading blocks in place; 1.2-1.6x torch's bf16 SDPA
-    over gathered blocks, 1.8-2.2x the native fp32 math, on prompts of 256-4,096 tokens),
-    else one bf16 SDPA. Shorter groups (speculative verify rows, short chunks) keep the
-    native fp32 kernel.
+    With ``amx_prompts`` (default: the CPU has AMX bf16 tiles), prompt groups over a bf16
+    cache run their products in bf16 on AMX: the native AMX kernel where it is loaded
+    (reading blocks in place; 1.2-1.6x torch's bf16 SDPA over gathered blocks, 1.8-2.2x the
+    native fp32 math, on prompts of 256-4,096 tokens); without native kernels, one bf16
+    SDPA. Every prompt group does, whatever its rows (a chunk of one row too): a prompt
+    row's result must not depend on the chunk it fell in (the prefix cache's hits and the
+    token budget cut chunks anywhere), and the bf16 products round what the fp32 math does
+    not. Decode and speculative verify rows keep the native fp32 kernels, so verifying a
+    draft computes what plain decoding does; so do prompts whose head size the AMX kernel
+    does not take.
     """
 
     uses_varlen = False
@@ -129,9 +131,10 @@ class TorchPagedAttention:
         out = q.new_empty(q.shape)  # contiguous even where q is a strided view of qkv
         bf16_prompts = self.amx_prompts and k_cache.dtype == torch.bfloat16
         for g in meta.groups:
-            rows = g.token_index.shape[1]
-            amx = bf16_prompts and rows >= AMX_MIN_QUERY
-            if native and rows == 1:
+            amx = bf16_prompts and g.prompt
+            if native and amx and not self.kernels.prefill_supported(head_dim, amx=True):
+                amx = False  # the native fp32 math, as decode rows: a bf16 SDPA's sums follow the chunk
+            if native and not amx and g.token_index.shape[1] == 1:
                 self.kernels.paged_decode(q, out, g.token_rows, k_cache, v_cache,
                                           g.block_table, g.last_pos, self.sliding_window,
                                           self.scale)
