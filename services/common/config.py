@@ -40,6 +40,7 @@ class TransferBackend(enum.StrEnum):
 
 # Engine dtypes: auto = the checkpoint's on GPU, float32 on CPU; the rest with their aliases.
 DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "half")
+CPU_FP32_DTYPES = ("auto", "float32", "fp32")  # the dtypes that keep fp32 weights on CPU
 QUANTIZATIONS = ("int8",)  # weight-only, per output channel (CPU)
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
@@ -306,12 +307,15 @@ class ClusterConfig:
                 "decode workers hold no request but the ones it is prefilling, threads-per-worker "
                 "otherwise (0: off; default: on a CPU cluster started here, the usable cores "
                 "shared among the prefill workers; else off, as it needs the pools on one host)"})
-    # Each pool's steps are one phase: prompts run fastest on oneDNN's blocked layout,
-    # decode steps on the packed one (--cpu-weight-layout's default).
-    prefill_weight_layout: str = field(default="blocked", metadata={
+    # Each pool's steps are one phase: fp32 prompts run fastest on oneDNN's blocked layout,
+    # decode steps on the packed one (--cpu-weight-layout's default). bf16 prompts run
+    # fastest packed for AMX, and there the two pools compute alike (pool_layout).
+    prefill_weight_layout: str | None = field(default=None, metadata={
         "choices": CPU_WEIGHT_LAYOUTS,
-        "help": "CPU, disaggregated or conditional: the prefill pool's weight layout (blocked: "
-                "the faster for prompts in fp32; in bf16 on AMX, packed is)"})
+        "help": "CPU, disaggregated or conditional: the prefill pool's weight layout (default: "
+                "blocked with fp32 weights, the faster for prompts there; --cpu-weight-layout "
+                "otherwise: in bf16 on AMX, packed is the faster, and prompts prefilled on "
+                "either pool then give the same tokens)"})
     decode_weight_layout: str | None = field(default=None, metadata={
         "choices": CPU_WEIGHT_LAYOUTS,
         "help": "CPU, disaggregated or conditional: the decode pool's weight layout (default: "
@@ -381,9 +385,8 @@ class ClusterConfig:
         if self.prefill_burst_threads and self.ray_address is not None:
             raise ValueError("prefill_burst_threads needs the pools on one host: a cluster "
                              "started here, not one joined with ray_address")
-        for name, allowed in (("prefill_weight_layout", CPU_WEIGHT_LAYOUTS),
-                              ("decode_weight_layout", (None, *CPU_WEIGHT_LAYOUTS))):
-            if getattr(self, name) not in allowed:
+        for name in ("prefill_weight_layout", "decode_weight_layout"):
+            if getattr(self, name) not in (None, *CPU_WEIGHT_LAYOUTS):
                 raise ValueError(f"{name} must be one of {', '.join(CPU_WEIGHT_LAYOUTS)}, "
                                  f"got {getattr(self, name)!r}")
         self._check_placement()
@@ -393,7 +396,10 @@ class ClusterConfig:
         pools of a disaggregated or conditional cluster, "colocated" a worker doing both
         phases (it keeps --cpu-weight-layout)."""
         if role == "prefill":
-            return self.prefill_weight_layout
+            if self.prefill_weight_layout is not None:
+                return self.prefill_weight_layout
+            fp32 = self.engine.dtype in CPU_FP32_DTYPES
+            return "blocked" if fp32 else self.engine.cpu_weight_layout
         if role == "decode":
             return self.decode_weight_layout or self.engine.cpu_weight_layout
         if role == "colocated":

@@ -118,8 +118,8 @@ def test_configs_validate_choices():
         ClusterConfig(decode_weight_layout="dense")
     assert build_config(_serve("--decode-weight-layout", "plain")).decode_weight_layout == "plain"
     with pytest.raises(ValueError, match="prefill_weight_layout must be one of packed, blocked, plain"):
-        ClusterConfig(prefill_weight_layout=None)
-    assert ClusterConfig().prefill_weight_layout == "blocked"
+        ClusterConfig(prefill_weight_layout="dense")
+    assert ClusterConfig().prefill_weight_layout is None  # by dtype: ClusterConfig.pool_layout
     assert build_config(_serve("--prefill-weight-layout", "packed")).prefill_weight_layout == "packed"
     assert dataclasses.replace(ClusterConfig(), mode="colocated", prefill_workers=0).mode is ClusterMode.COLOCATED
 

@@ -29,6 +29,20 @@ def test_each_kind_of_worker_gets_the_layout_the_cluster_gives_it():
         cfg.pool_layout("both")
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "bf16"])
+def test_a_bf16_prefill_pool_takes_the_cpu_weight_layout(dtype):
+    """Packed bf16 runs prompts fastest on AMX, and the two pools then compute alike; fp32
+    keeps oneDNN's blocked layout for prompts unless asked otherwise."""
+    layouts = profile_mod.pool_layouts(ClusterConfig(engine=EngineConfig(dtype=dtype)))
+    assert layouts == {"prefill": "packed", "decode": "packed", "colocated": "packed"}
+    cfg = ClusterConfig(engine=EngineConfig(dtype=dtype, cpu_weight_layout="plain"))
+    assert cfg.pool_layout("prefill") == "plain"
+    cfg = ClusterConfig(engine=EngineConfig(dtype=dtype), prefill_weight_layout="blocked")
+    assert cfg.pool_layout("prefill") == "blocked"
+    for fp32 in ("auto", "float32", "fp32"):
+        assert ClusterConfig(engine=EngineConfig(dtype=fp32)).pool_layout("prefill") == "blocked"
+
+
 def test_profile_takes_the_layout_flags_of_tandem_serve():
     args = build_parser().parse_args(["profile", "--prefill-weight-layout", "packed", "--decode-weight-layout",
                                       "plain", "--cpu-weight-layout", "blocked"])
@@ -36,7 +50,7 @@ def test_profile_takes_the_layout_flags_of_tandem_serve():
         ("packed", "plain", "blocked")
     defaults = build_parser().parse_args(["profile"])
     assert (defaults.prefill_weight_layout, defaults.decode_weight_layout, defaults.cpu_weight_layout) == \
-        ("blocked", None, "packed")
+        (None, None, "packed")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["profile", "--decode-weight-layout", "dense"])
 
