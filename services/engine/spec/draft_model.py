@@ -68,6 +68,11 @@ class _DraftView:
     def num_tokens(self) -> int:
         return self.seq.num_tokens + len(self.draft)
 
+    @property
+    def num_prompt_tokens(self) -> int:
+        """The target's prompt: the runner attends a chunk of it as a prompt chunk."""
+        return self.seq.num_prompt_tokens
+
     def token_slice(self, start: int, end: int) -> list[int]:
         n = self.seq.num_tokens
         head = self.seq.token_slice(start, min(end, n)) if start < n else []
