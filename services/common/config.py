@@ -308,13 +308,13 @@ class ClusterConfig:
                 "otherwise (0: off; default: on a CPU cluster started here, the usable cores "
                 "shared among the prefill workers; else off, as it needs the pools on one host)"})
     # Each pool's steps are one phase: fp32 prompts run fastest on oneDNN's blocked layout,
-    # decode steps on the packed one (--cpu-weight-layout's default). bf16 prompts run
-    # fastest packed for AMX, and there the two pools compute alike (pool_layout).
+    # decode steps on the packed one (--cpu-weight-layout's default). bf16 prompts run as
+    # fast packed for AMX, and there the two pools compute alike (pool_layout).
     prefill_weight_layout: str | None = field(default=None, metadata={
         "choices": CPU_WEIGHT_LAYOUTS,
         "help": "CPU, disaggregated or conditional: the prefill pool's weight layout (default: "
                 "blocked with fp32 weights, the faster for prompts there; --cpu-weight-layout "
-                "otherwise: in bf16 on AMX, packed is the faster, and prompts prefilled on "
+                "otherwise: in bf16 on AMX, packed is as fast, and prompts prefilled on "
                 "either pool then give the same tokens)"})
     decode_weight_layout: str | None = field(default=None, metadata={
         "choices": CPU_WEIGHT_LAYOUTS,

@@ -31,7 +31,7 @@ def test_each_kind_of_worker_gets_the_layout_the_cluster_gives_it():
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "bf16"])
 def test_a_bf16_prefill_pool_takes_the_cpu_weight_layout(dtype):
-    """Packed bf16 runs prompts fastest on AMX, and the two pools then compute alike; fp32
+    """Packed bf16 runs prompts as fast on AMX, and the two pools then compute alike; fp32
     keeps oneDNN's blocked layout for prompts unless asked otherwise."""
     layouts = profile_mod.pool_layouts(ClusterConfig(engine=EngineConfig(dtype=dtype)))
     assert layouts == {"prefill": "packed", "decode": "packed", "colocated": "packed"}
