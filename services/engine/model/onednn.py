@@ -23,8 +23,11 @@ Each weight is stored once, in one of three layouts (``--cpu-weight-layout``):
 
 Activations stay fp32; with bf16 weights the input is rounded to bf16 for the
 product (oneDNN's, the AMX kernel's, or the GEMV's, which widens both to fp32) and the
-output to bf16, as oneDNN returns it, before it is fp32 again: a row's result does not
-depend on which path ran it. Results differ from MKL's only in float rounding.
+output to bf16, as oneDNN returns it, before it is fp32 again: every path rounds alike.
+The order of the sums is each path's own: the native kernels' does not depend on the
+row count (a row computes alike alone and in any batch), oneDNN's can (a row of
+SmolLM2's bf16 head product moved by a bf16 step with the batch's row count on an Intel
+Xeon with AMX). Results differ from MKL's only in float rounding.
 
 The LM head is the exception where the CPU has AMX-BF16: a bf16 head is packed for the
 AMX kernel whatever the layers' layout (``head_layout``) and returns its fp32 sums
