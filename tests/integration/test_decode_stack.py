@@ -1,5 +1,5 @@
 """The native decode stack against the Python forward it replaces: the same tokens,
-logprobs and KV bits, per model family, weight layout (packed, plain) and weight dtype."""
+logprobs and KV bits, per model family, weight layout (packed, plain, int8) and weight dtype."""
 
 from __future__ import annotations
 
@@ -26,8 +26,10 @@ def checkpoints(tiny_model_dir, tmp_path_factory):
 
 
 def _engine(path, dtype: str, layout: str = "plain") -> LLM:
+    """``layout`` int8: weight-only int8 (its own packed layout)."""
+    weights = {"quantization": "int8"} if layout == "int8" else {"cpu_weight_layout": layout}
     return LLM(str(path), num_threads=2, seed=0, max_model_len=256, enable_prefix_caching=False,
-               dtype=dtype, cpu_weight_layout=layout, num_blocks=256)
+               dtype=dtype, num_blocks=256, **weights)
 
 
 def _stack_steps(monkeypatch) -> list[int]:
@@ -49,9 +51,10 @@ def _run(llm: LLM, n: int):
 
 
 # (layout, weight dtype, rows of the widest step run): plain weights take the GEMV's rows,
-# packed ones any (bf16 weights packed: the AMX layout, where the CPU has it)
+# packed and int8 ones any (bf16 weights packed: the AMX layout, where the CPU has it)
 CASES = [("plain", "float32", GEMV_MAX_ROWS), ("plain", "bfloat16", 2),
-         ("packed", "float32", GEMV_MAX_ROWS + 8), ("packed", "bfloat16", GEMV_MAX_ROWS + 8)]
+         ("packed", "float32", GEMV_MAX_ROWS + 8), ("packed", "bfloat16", GEMV_MAX_ROWS + 8),
+         ("int8", "float32", GEMV_MAX_ROWS + 8)]
 
 
 @pytest.mark.parametrize("layout,dtype,rows", CASES)
@@ -66,7 +69,7 @@ def test_the_stack_writes_what_the_python_forward_writes(checkpoints, arch, layo
         pytest.skip("no AMX-BF16: bf16 weights asked to be packed take oneDNN's layout")
     native_llm, python_llm = (_engine(checkpoints[arch], dtype, layout) for _ in range(2))
     stack = native_llm.engine.runner.model.decode_stack
-    assert stack is not None and stack.max_rows == (sys.maxsize if layout == "packed" else rows)
+    assert stack is not None and stack.max_rows == (rows if layout == "plain" else sys.maxsize)
     python_llm.engine.runner.model.decode_stack = None
     steps = _stack_steps(monkeypatch)
     native, native_kv = _run(native_llm, rows)

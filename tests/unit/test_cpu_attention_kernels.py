@@ -1,4 +1,4 @@
-"""bf16 KV reads of the native decode kernel and the int8 linear against torch."""
+"""bf16 KV reads of the native decode kernel and the GEMV against torch."""
 
 from __future__ import annotations
 
@@ -39,19 +39,6 @@ def test_paged_decode_rejects_mixed_or_unsupported_caches():
         kernels.paged_decode(q, torch.empty_like(q), idx, f32.half(), f32.half(), table, idx, None, 1.0)
     with pytest.raises(ValueError, match="int64"):
         kernels.paged_decode(q, torch.empty_like(q), idx.int(), f32, f32, table, idx, None, 1.0)
-
-
-@pytest.mark.parametrize("rows,bias", [(1, False), (5, True)])
-def test_int8_linear_matches_the_dequantized_matmul(rows, bias):
-    gen = torch.Generator().manual_seed(rows)
-    w = torch.randint(-127, 128, (300, 200), generator=gen, dtype=torch.int8)
-    scale = torch.rand(300, generator=gen) / 100
-    b = torch.randn(300, generator=gen) if bias else None
-    x = torch.randn(rows, 200, generator=gen)
-    ref = F.linear(x, w.float() * scale[:, None], b)
-    torch.testing.assert_close(kernels.int8_linear(x, w, scale, b), ref, atol=1e-4, rtol=1e-4)
-    with pytest.raises(ValueError, match="int8"):
-        kernels.int8_linear(x, w.float(), scale, b)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 11, 16])  # whole tiles of 4 rows and a rest

@@ -53,9 +53,6 @@ class CpuKernels:
         self._prefill_amx_supported = bind(lib, "tandem_paged_prefill_amx_supported",
                                            ctypes.c_int, _i64)
         self._prefill_heads: dict[tuple[int, bool], bool] = {}
-        self._int8_linear = lib.tandem_int8_linear_f32
-        self._int8_linear.restype = ctypes.c_int
-        self._int8_linear.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]
         self._gemv = {}
         for dtype, suffix in _KV_DTYPES.items():
             fn = getattr(lib, f"tandem_gemv_{suffix}")
@@ -234,21 +231,6 @@ class CpuKernels:
         out = torch.empty(probs.shape[0], dtype=torch.long)
         self._inverse_cdf(probs.data_ptr(), probs.shape[0], probs.shape[1], u.data_ptr(),
                           out.data_ptr())
-        return out
-
-    def int8_linear(self, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                    bias: torch.Tensor | None) -> torch.Tensor:
-        """``x [M, K] @ (qweight [N, K] int8 * scale [N, 1]).T + bias [N]`` as fp32 ``[M, N]``."""
-        _check_f32(x, scale, *(() if bias is None else (bias,)))
-        if qweight.dtype != torch.int8 or not qweight.is_contiguous() \
-                or qweight.shape[1] != x.shape[1]:
-            raise ValueError("int8_linear needs a contiguous int8 [N, K] weight matching x [M, K]")
-        out = x.new_empty(x.shape[0], qweight.shape[0])
-        rc = self._int8_linear(x.data_ptr(), qweight.data_ptr(), scale.data_ptr(),
-                               None if bias is None else bias.data_ptr(), out.data_ptr(),
-                               x.shape[0], qweight.shape[0], qweight.shape[1])
-        if rc != 0:
-            raise MemoryError("int8_linear could not allocate its row buffers")
         return out
 
 

@@ -9,7 +9,8 @@ KV written are bit-identical to the Python path's.
 It runs where every projection is a ``CpuLinear`` on a native kernel (packed fp32
 weights, the default, or bf16 weights packed for AMX, for any number of rows; or plain
 weights on the GEMV, up to 16 rows with fp32 weights and 2 with bf16: oneDNN's blocked
-layout is opaque to C), the layers have no q/k norms and the embedding table is fp32 or
+layout is opaque to C) or an ``Int8Linear`` on its packed kernel (any number of rows),
+the layers have no q/k norms and the embedding table is fp32 or
 bf16 (or a tied head's packed weight). ``ModelRunner`` runs a step here when every row is a decode (one token per
 sequence), at most ``max_rows`` of them, with no per-layer callback; other steps keep the
 Python forward.
@@ -18,6 +19,7 @@ Python forward.
 from __future__ import annotations
 
 import ctypes
+import sys
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,6 +29,7 @@ from services.engine.model.cpu_kernels import CpuKernels, head_splits
 from services.engine.model.amx_linear import AmxEmbedding
 from services.engine.model.onednn import AMX, CpuLinear
 from services.engine.model.packed_linear import PackedEmbedding
+from services.engine.model.quantized import Int8Linear
 
 if TYPE_CHECKING:
     from services.engine.model.llama import LlamaModel
@@ -40,12 +43,26 @@ _PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 class _Layer(ctypes.Structure):
     _fields_ = [(name, _ptr) for name in (
         "input_norm", "post_norm", "qkv", "o", "gate_up", "down",
-        "qkv_bias", "o_bias", "gate_up_bias", "down_bias")]
+        "qkv_bias", "o_bias", "gate_up_bias", "down_bias",
+        "qkv_scale", "o_scale", "gate_up_scale", "down_scale")]
 
 
 # TANDEM_WEIGHTS_* in csrc/decode_stack.c: the (layout, dtype) of weights the stack runs
 _WEIGHTS = {("plain", torch.float32): 0, ("plain", torch.bfloat16): 1, ("packed", torch.float32): 2,
-            (AMX, torch.bfloat16): 3}
+            (AMX, torch.bfloat16): 3, ("int8", torch.int8): 4}
+
+
+def _weights_kind(lin: torch.nn.Module) -> tuple[str, torch.dtype] | None:
+    """The ``_WEIGHTS`` key of a projection the stack can run (on a native kernel), else None."""
+    if isinstance(lin, Int8Linear):
+        return ("int8", torch.int8) if lin.kernels is not None else None
+    if isinstance(lin, CpuLinear) and lin.native_rows > 0:
+        return lin.layout, lin.weight.dtype
+    return None
+
+
+def _weight(lin: torch.nn.Module) -> torch.Tensor:
+    return lin.qweight if isinstance(lin, Int8Linear) else lin.weight
 
 
 def _table_kind(embed: torch.nn.Module) -> int:
@@ -77,25 +94,26 @@ class DecodeStack:
         model's weights, norms, RoPE and embedding tables, so it is built last, once they
         are final (``LlamaModel.use_cpu_kernels``), and keeps those tensors alive."""
         cfg, layers = model.config, model.layers
-        self.max_rows = layers[0].qkv_proj.native_rows
+        qkv = layers[0].qkv_proj
+        self.max_rows = sys.maxsize if isinstance(qkv, Int8Linear) else qkv.native_rows
         self.shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size)
         tensors = [model.rope.cos, model.rope.sin, model.norm.weight]
         rows = []
         for lay in layers:
             per_layer = [lay.input_layernorm.weight, lay.post_attention_layernorm.weight,
-                         *(getattr(lay, n).weight for n in _PROJECTIONS),
-                         *(getattr(lay, n).bias for n in _PROJECTIONS)]
+                         *(_weight(getattr(lay, n)) for n in _PROJECTIONS),
+                         *(getattr(lay, n).bias for n in _PROJECTIONS),
+                         *(getattr(getattr(lay, n), "scale", None) for n in _PROJECTIONS)]
             tensors += [t for t in per_layer if t is not None]
             rows.append(_Layer(*(_ptr_of(t) for t in per_layer)))
         table = model.embed_tokens.weight
         self._tensors = (*tensors, table)  # what the pointers below point into
         self._layers = (_Layer * len(rows))(*rows)
         attn = model.attn
-        qkv = layers[0].qkv_proj
         self._stack = _Stack(
             len(layers), cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
             cfg.intermediate_size, 0, attn.sliding_window or 0, model.embed_tokens.num_embeddings,
-            model.norm.eps, attn.scale, _WEIGHTS[(qkv.layout, qkv.weight.dtype)],
+            model.norm.eps, attn.scale, _WEIGHTS[_weights_kind(qkv)],
             _table_kind(model.embed_tokens), 0, table.data_ptr(),
             model.rope.cos.data_ptr(), model.rope.sin.data_ptr(), model.norm.weight.data_ptr(),
             self._layers)
@@ -111,10 +129,9 @@ class DecodeStack:
                 or model.rope is None or model.rope.cos.dtype != torch.float32:
             return None
         linears = [getattr(lay, name) for lay in model.layers for name in _PROJECTIONS]
-        if not linears or not all(isinstance(lin, CpuLinear) and lin.native_rows > 0
-                                  and (lin.layout, lin.weight.dtype) in _WEIGHTS for lin in linears):
+        kinds = {_weights_kind(lin) for lin in linears}
+        if not linears or not kinds <= _WEIGHTS.keys():  # (None is not a key)
             return None
-        kinds = {(lin.weight.dtype, lin.layout) for lin in linears}
         if len(kinds) != 1 or any(lay.q_norm is not None for lay in model.layers):
             return None
         table = model.embed_tokens.weight  # [vocab, hidden], or packed (PackedEmbedding, AmxEmbedding)

@@ -93,7 +93,7 @@ def packed_copy(pack: ctypes._CFuncPtr, weight: torch.Tensor, layout: str, dtype
     """``weight [N, K]`` of ``dtype`` packed by the native ``pack(src, dst, N, K)`` into a new
     tensor of ``shape(N, K)`` (on huge pages where available)."""
     if weight.dtype != dtype or weight.dim() != 2 or weight.device.type != "cpu":
-        name = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dtype, str(dtype))
+        name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int8: "int8"}.get(dtype, str(dtype))
         raise ValueError(f"the {layout} layout takes {name} CPU weights [N, K]")
     weight = weight.contiguous()
     n, k = weight.shape

@@ -1,22 +1,29 @@
 """Weight-only int8 linears (per output channel) for the CPU path.
 
 Each weight row ``W[n, :]`` is stored as int8 with one fp32 scale,
-``max|W[n, :]| / 127``; activations stay fp32. Decode-sized inputs (a few
-rows) go through a native kernel reading the int8 rows directly (a quarter of
-the fp32 bytes); larger ones (prefill chunks) dequantize the weight once per
-call and run one fp32 matmul, where the products, not the weight reads, cost.
+``max|W[n, :]| / 127``; activations stay fp32. Where the native kernels build, the int8
+weight is packed once like the fp32 packed layout (``csrc/int8_linear.c``: panels of 32
+output channels, K-major, ``[ceil(N / 32), K, 32]``) and one kernel runs every row
+count, widening each weight once per tile: a decode step reads a quarter of the fp32
+bytes, and each output is the same FMA chain whatever the batch (a row's result does
+not depend on its batch), so the decode stack runs on it too. Without them, the weight
+stays ``[N, K]`` and each call dequantizes it for one fp32 matmul.
 """
 
 from __future__ import annotations
+
+import ctypes
+from functools import cache
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from services.engine.model import cpu_kernels
+from services.engine.model.cpu_kernels import CpuKernels, bind
+from services.engine.model.packed_linear import PANEL, packed_copy
 
-# Up to this many input rows the int8 kernel; above it, dequantize + fp32 matmul.
-NATIVE_MAX_ROWS = 16
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,24 +34,69 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale.contiguous()
 
 
+class Int8Kernels:
+    """The packing and product entries of the loaded kernel library."""
+
+    def __init__(self, kernels: CpuKernels) -> None:
+        self._pack = bind(kernels.lib, "tandem_pack_int8", None, _ptr, _ptr, _i64, _i64)
+        self._linear = bind(kernels.lib, "tandem_int8_linear_f32", None,
+                            _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64)
+
+    def pack(self, qweight: torch.Tensor) -> torch.Tensor:
+        """``qweight [N, K]`` int8 -> ``[ceil(N / 32), K, 32]`` int8, the last panel zero-padded."""
+        return packed_copy(self._pack, qweight, "int8 packed", torch.int8,
+                           lambda n, k: ((n + PANEL - 1) // PANEL, k, PANEL))
+
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+               bias: torch.Tensor | None, n_out: int) -> torch.Tensor:
+        """``(x [M, K] @ W.T) * scale + bias`` -> ``[M, n_out]`` fp32, ``packed = pack(W)``."""
+        for t in (x, scale, *(() if bias is None else (bias,))):
+            if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+                raise ValueError("int8 linears need contiguous fp32 CPU inputs, scales and bias")
+        if x.dim() != 2 or packed.dtype != torch.int8 \
+                or packed.shape != ((n_out + PANEL - 1) // PANEL, x.shape[1], PANEL) \
+                or scale.shape != (n_out,) or (bias is not None and bias.shape != (n_out,)):
+            raise ValueError(f"int8 linear: x {tuple(x.shape)}, packed {tuple(packed.shape)}, "
+                             f"{n_out} outputs do not fit")
+        out = x.new_empty(x.shape[0], n_out)
+        if x.shape[0]:
+            self._linear(x.data_ptr(), packed.data_ptr(), scale.data_ptr(),
+                         None if bias is None else bias.data_ptr(), out.data_ptr(),
+                         x.shape[0], n_out, x.shape[1])
+        return out
+
+
+@cache
+def load() -> Int8Kernels | None:
+    """The int8 kernels where the native library builds; else None."""
+    kernels = cpu_kernels.load()
+    return None if kernels is None else Int8Kernels(kernels)
+
+
 class Int8Linear(nn.Module):
     """``x [..., in] @ dequant(W).T + b`` with int8 ``W`` and fp32 per-row scales."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.qweight, self.scale = quantize_rows(weight)  # [N, K] int8, [N] fp32
+        q, self.scale = quantize_rows(weight)  # [N, K] int8, [N] fp32
         self.bias = None if bias is None else bias.detach().float().clone()
-        self.kernels = cpu_kernels.load() if weight.device.type == "cpu" else None
+        self.kernels = load() if weight.device.type == "cpu" else None
+        # packed [ceil(N / 32), K, 32] for the kernel, else [N, K]
+        self.qweight = q if self.kernels is None else self.kernels.pack(q)
 
     def dequantized(self) -> torch.Tensor:
         """The fp32 weight ``[N, K]`` this layer computes with."""
-        return self.qweight.float() * self.scale[:, None]
+        q = self.qweight
+        if self.kernels is not None:  # panels back to rows
+            q = q.transpose(1, 2).reshape(-1, self.in_features)[:self.out_features]
+        return q.float() * self.scale[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float()
-        if self.kernels is not None and flat.shape[0] <= NATIVE_MAX_ROWS:
-            y = self.kernels.int8_linear(flat.contiguous(), self.qweight, self.scale, self.bias)
+        if self.kernels is not None:
+            y = self.kernels.linear(flat.contiguous(), self.qweight, self.scale, self.bias,
+                                    self.out_features)
         else:
             y = F.linear(flat, self.dequantized(), self.bias)
         return y.reshape(*x.shape[:-1], self.out_features)

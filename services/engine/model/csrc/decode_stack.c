@@ -7,7 +7,8 @@
  *
  *   x = the token ids' rows of the embedding table (widened from bf16)
  *   per layer: x += delta; h = RMSNorm(x)            (tandem_add_rms_norm_f32)
- *              qkv = h @ Wqkv.T + b                  (tandem_packed_linear_f32 or tandem_gemv_*)
+ *              qkv = h @ Wqkv.T + b                  (tandem_packed_linear_f32, tandem_gemv_*,
+ *                                                     tandem_amx_linear or tandem_int8_linear_f32)
  *              RoPE on q, k; k, v into the cache     (tandem_rope_f32; a copy, or bf16 RNE)
  *              a = paged attention of q              (tandem_paged_decode_*)
  *              x += a @ Wo.T + b; h = RMSNorm(x)     (the same product, tandem_add_rms_norm_f32)
@@ -27,7 +28,7 @@
  *   kv        [layers, 2, num_blocks, block_size, KVH, D] fp32 or bf16 contiguous
  * Returns 0; -1 when a scratch buffer cannot be allocated (nothing written then, or the
  * step's KV partly), -2 when M is out of range (nothing done): 1 .. TANDEM_GEMV_MAX_ROWS
- * on plain weights, any M >= 1 on packed and AMX ones; -3 when a token id is not in the table, a
+ * on plain weights, any M >= 1 on packed, AMX and int8 ones; -3 when a token id is not in the table, a
  * token row not in 0 .. M - 1, a slot or a block a row reads not in the cache (nothing done).
  */
 #include <stdint.h>
@@ -38,16 +39,20 @@
 #include "kv_load.h"
 
 /* How the projections' weights are stored (``weights``): plain [out, in] fp32 or bf16
- * (the GEMV), packed fp32 (packed_linear.c) or bf16 packed for AMX (amx_linear.c). */
-enum { TANDEM_WEIGHTS_F32, TANDEM_WEIGHTS_BF16, TANDEM_WEIGHTS_PACKED, TANDEM_WEIGHTS_AMX };
+ * (the GEMV), packed fp32 (packed_linear.c), bf16 packed for AMX (amx_linear.c), or int8
+ * packed the same way with one fp32 scale per output (int8_linear.c). */
+enum { TANDEM_WEIGHTS_F32, TANDEM_WEIGHTS_BF16, TANDEM_WEIGHTS_PACKED, TANDEM_WEIGHTS_AMX,
+       TANDEM_WEIGHTS_INT8 };
 /* How the embedding table is stored (``table``): plain fp32 or bf16, or a tied head's packed weight. */
 enum { TANDEM_TABLE_F32, TANDEM_TABLE_BF16, TANDEM_TABLE_PACKED, TANDEM_TABLE_AMX };
 
-/* One decoder layer's parameters: weights as the stack's ``weights`` says, fp32 biases or NULL. */
+/* One decoder layer's parameters: weights as the stack's ``weights`` says, fp32 biases or
+ * NULL, fp32 per-output scales of int8 weights (NULL otherwise). */
 typedef struct {
     const float *input_norm, *post_norm;
     const void *qkv, *o, *gate_up, *down;
     const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
+    const float *qkv_scale, *o_scale, *gate_up_scale, *down_scale;
 } tandem_layer;
 
 typedef struct {
@@ -65,12 +70,16 @@ static inline float round_trip_bf16(float f) {
     return tandem_load_bf16(&b);
 }
 
-/* y [m, n] = x [m, k] @ w.T + bias, rounded as CpuLinear rounds it; tmp holds m * k.
- * On plain weights m is in the GEMV's range (checked on entry), so it cannot refuse it.
- * Returns 0, or -1 when the AMX kernel could not allocate its bf16 input. */
+/* y [m, n] = x [m, k] @ w.T + bias (int8: (x @ w.T) * scale + bias), rounded as CpuLinear
+ * rounds it; tmp holds m * k. On plain weights m is in the GEMV's range (checked on
+ * entry), so it cannot refuse it. Returns 0, or -1 when the AMX kernel could not allocate
+ * its bf16 input. */
 static int linear(const tandem_stack *s, const float *x, int64_t m, int64_t k, const void *w,
-                  const float *bias, float *y, int64_t n, float *tmp) {
+                  const float *bias, const float *scale, float *y, int64_t n, float *tmp) {
     switch (s->weights) {
+        case TANDEM_WEIGHTS_INT8:
+            tandem_int8_linear_f32(x, (const int8_t *)w, scale, bias, y, m, n, k);
+            return 0;
         case TANDEM_WEIGHTS_AMX:
             return tandem_amx_linear(x, m, k, (const uint16_t *)w, n, bias, y, 1) == 0 ? 0 : -1;
         case TANDEM_WEIGHTS_PACKED:
@@ -151,7 +160,7 @@ int tandem_decode_stack(const tandem_stack *s, const int64_t *ids, float *x, flo
         char *k_cache = (char *)kv + (size_t)(2 * l) * (size_t)cache_elems * elem;
         char *v_cache = k_cache + (size_t)cache_elems * elem;
         tandem_add_rms_norm_f32(x, l == 0 ? NULL : delta, h, L->input_norm, m, hidden, s->eps);
-        if ((rc = linear(s, h, m, hidden, L->qkv, L->qkv_bias, qkv, qkv_width, tmp)) != 0) break;
+        if ((rc = linear(s, h, m, hidden, L->qkv, L->qkv_bias, L->qkv_scale, qkv, qkv_width, tmp)) != 0) break;
         tandem_rope_f32(qkv, qkv_width, s->heads, qkv + q_size, qkv_width, s->kv_heads, s->cos,
                         s->sin, positions, m, d);
         for (int64_t r = 0; r < m; ++r) {
@@ -170,11 +179,11 @@ int tandem_decode_stack(const tandem_stack *s, const int64_t *ids, float *x, flo
                                             s->kv_heads, d, s->block_size, s->window, s->scale,
                                             head_splits);
         if (rc != 0) break; /* its scratch could not be allocated */
-        if ((rc = linear(s, attn, m, q_size, L->o, L->o_bias, o, hidden, tmp)) != 0) break;
+        if ((rc = linear(s, attn, m, q_size, L->o, L->o_bias, L->o_scale, o, hidden, tmp)) != 0) break;
         tandem_add_rms_norm_f32(x, o, h, L->post_norm, m, hidden, s->eps);
-        if ((rc = linear(s, h, m, hidden, L->gate_up, L->gate_up_bias, gu, 2 * inter, tmp)) != 0) break;
+        if ((rc = linear(s, h, m, hidden, L->gate_up, L->gate_up_bias, L->gate_up_scale, gu, 2 * inter, tmp)) != 0) break;
         tandem_silu_mul_f32(gu, act, m, inter);
-        if ((rc = linear(s, act, m, inter, L->down, L->down_bias, delta, hidden, tmp)) != 0) break;
+        if ((rc = linear(s, act, m, inter, L->down, L->down_bias, L->down_scale, delta, hidden, tmp)) != 0) break;
     }
     if (rc == 0)
         tandem_add_rms_norm_f32(x, s->num_layers ? delta : NULL, out, s->final_norm, m, hidden, s->eps);

@@ -22,6 +22,12 @@ int tandem_gemv_f32(const float *x, const float *w, const float *bias, float *y,
 int tandem_gemv_bf16(const float *x, const uint16_t *w, const float *bias, float *y,
                      int64_t m_rows, int64_t n_out, int64_t k_in);
 
+/* int8_linear.c: int8 weights packed like packed_linear.c's, in int8 */
+void tandem_pack_int8(const int8_t *w, int8_t *packed, int64_t n_out, int64_t k_in);
+void tandem_int8_linear_f32(const float *x, const int8_t *packed, const float *scale,
+                            const float *bias, float *y, int64_t m_rows, int64_t n_out,
+                            int64_t k_in);
+
 /* amx_linear.c (returns -2 where the CPU or the process has no AMX tiles) */
 int tandem_amx_linear(const float *x, int64_t M, int64_t K, const uint16_t *wp, int64_t N,
                       const float *bias, float *out, int round_output);
