@@ -4,11 +4,15 @@ blocks of prompt rows widen it once: the same sums)."""
 
 from __future__ import annotations
 
+import ctypes
+import platform
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from services.engine.model import quantized
+from services.engine.model import kernel_build, quantized
 from services.engine.model.quantized import Int8Linear
 
 kernels = quantized.load()
@@ -69,3 +73,31 @@ def test_without_the_kernels_each_call_dequantizes(monkeypatch):
     assert lin.kernels is None and lin.qweight.shape == (64, 48)
     x = torch.randn(3, 48)
     torch.testing.assert_close(lin(x), F.linear(x, lin.dequantized(), lin.bias))
+
+
+def _build(tmp_path, march: str) -> quantized.Int8Kernels:
+    """int8_linear.c alone, compiled for ``march`` instead of this CPU."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    lib_path = kernel_build.compile_to(compiler, tmp_path / f"{march}.so", march, ("int8_linear.c",))
+
+    class Lib:  # what Int8Kernels binds from the library
+        lib = ctypes.CDLL(str(lib_path))
+    return quantized.Int8Kernels(Lib())  # type: ignore[arg-type]
+
+
+@needs_kernel
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 builds")
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64-v2"])
+def test_the_other_builds_compute_the_same_bits(tmp_path, march):
+    """Built for AVX2 + FMA (x86-64-v3: its own tiles) or without FMA (x86-64-v2: the
+    portable loop, fmaf) the products are this CPU's build's, bit for bit: every build
+    runs each output's same chain of fused multiply-adds."""
+    other = _build(tmp_path, march)
+    q, scale = quantized.quantize_rows(torch.randn(161, 70, generator=torch.Generator().manual_seed(6)))
+    bias = torch.randn(161)
+    packed = kernels.pack(q)
+    assert torch.equal(other.pack(q), packed)
+    for rows in (1, 2, 3, 30, 130):  # widened as read, then blocks that widen once
+        x = torch.randn(rows, 70, generator=torch.Generator().manual_seed(rows))
+        assert torch.equal(other.linear(x, packed, scale, bias, 161), kernels.linear(x, packed, scale, bias, 161))
+        assert torch.equal(other.linear(x, packed, scale, None, 161), kernels.linear(x, packed, scale, None, 161))
