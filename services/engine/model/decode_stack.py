@@ -61,8 +61,9 @@ def _weights_kind(lin: torch.nn.Module) -> tuple[str, torch.dtype] | None:
     return None
 
 
-def _weight(lin: torch.nn.Module) -> torch.Tensor:
-    return lin.qweight if isinstance(lin, Int8Linear) else lin.weight
+def _weight_and_scale(lin: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A projection's stored weight, and its per-output scales (int8; else None)."""
+    return (lin.qweight, lin.scale) if isinstance(lin, Int8Linear) else (lin.weight, None)
 
 
 def _table_kind(embed: torch.nn.Module) -> int:
@@ -100,10 +101,9 @@ class DecodeStack:
         tensors = [model.rope.cos, model.rope.sin, model.norm.weight]
         rows = []
         for lay in layers:
-            per_layer = [lay.input_layernorm.weight, lay.post_attention_layernorm.weight,
-                         *(_weight(getattr(lay, n)) for n in _PROJECTIONS),
-                         *(getattr(lay, n).bias for n in _PROJECTIONS),
-                         *(getattr(getattr(lay, n), "scale", None) for n in _PROJECTIONS)]
+            weights, scales = zip(*(_weight_and_scale(getattr(lay, n)) for n in _PROJECTIONS))
+            per_layer = [lay.input_layernorm.weight, lay.post_attention_layernorm.weight, *weights,
+                         *(getattr(lay, n).bias for n in _PROJECTIONS), *scales]
             tensors += [t for t in per_layer if t is not None]
             rows.append(_Layer(*(_ptr_of(t) for t in per_layer)))
         table = model.embed_tokens.weight

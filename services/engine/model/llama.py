@@ -122,11 +122,12 @@ class LlamaModel(nn.Module):
             self.lm_head = onednn.CpuLinear(table, None, weight_dtype, native, head_layout,
                                             shared=True, logits=True)
 
-    def use_int8(self) -> int:
-        """Weight-only int8 (per output channel) projections and LM head; returns how many."""
-        n = quantized.quantize_linears(self)
+    def use_int8(self, native: bool = True) -> int:
+        """Weight-only int8 (per output channel) projections and LM head; returns how many.
+        ``native=False``: no native kernel (each call dequantizes for one fp32 product)."""
+        n = quantized.quantize_linears(self, native)
         if self.lm_head is None:
-            self.lm_head = quantized.Int8Linear(self.embed_tokens.weight, None)
+            self.lm_head = quantized.Int8Linear(self.embed_tokens.weight, None, native)
             n += 1
         return n
 

@@ -106,7 +106,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
                          + (" ..." if len(missing) > 8 else ""))
     model.init_rope(max_positions)
     if quantization == "int8":
-        model.use_int8()
+        model.use_int8(native=use_cpu_kernels)
     elif mixed and use_onednn and onednn.available(device):
         model.use_onednn(dtype, native=use_cpu_kernels, layout=weight_layout)
     if mixed and dtype != torch.float32:  # the lookup table too (rows widened on lookup)

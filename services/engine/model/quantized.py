@@ -76,12 +76,13 @@ def load() -> Int8Kernels | None:
 class Int8Linear(nn.Module):
     """``x [..., in] @ dequant(W).T + b`` with int8 ``W`` and fp32 per-row scales."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, native: bool = True) -> None:
+        """``native``: the native kernel may run it (on a CPU weight, where it builds)."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
         q, self.scale = quantize_rows(weight)  # [N, K] int8, [N] fp32
         self.bias = None if bias is None else bias.detach().float().clone()
-        self.kernels = load() if weight.device.type == "cpu" else None
+        self.kernels = load() if native and weight.device.type == "cpu" else None
         # packed [ceil(N / 32), K, 32] for the kernel, else [N, K]
         self.qweight = q if self.kernels is None else self.kernels.pack(q)
 
@@ -109,10 +110,11 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
 
 
-def quantize_linears(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` of ``model`` by an ``Int8Linear``; returns how many."""
+def quantize_linears(model: nn.Module, native: bool = True) -> int:
+    """Replace every ``nn.Linear`` of ``model`` by an ``Int8Linear`` (``native``: on the
+    native kernel where it builds); returns how many."""
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children() if isinstance(child, nn.Linear)]
     for parent, name, child in targets:
-        setattr(parent, name, Int8Linear(child.weight, child.bias))
+        setattr(parent, name, Int8Linear(child.weight, child.bias, native))
     return len(targets)

@@ -44,6 +44,7 @@ void tandem_pack_int8(const int8_t *w, int8_t *packed, int64_t n_out, int64_t k_
 #include <immintrin.h>
 
 #define MR 12 /* input rows per micro-tile: 24 of 32 zmm accumulate */
+#define WIDENS 1 /* tiles read a widened panel */
 
 static inline __mmask16 lanes(int64_t n) {  /* the first n (0..16) of 16 lanes */
     return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u);
@@ -97,6 +98,7 @@ static void tile_rows(const float *x, int64_t k_in, const int8_t *panel, const f
 #include <immintrin.h>
 
 #define MR 2 /* input rows per micro-tile: 8 of 16 ymm accumulate, 4 hold the weights */
+#define WIDENS 1
 
 static inline __attribute__((always_inline)) void tile(
         const float *x, int64_t k_in, const int8_t *panel, const float *wide, const float *scale,
@@ -133,6 +135,7 @@ static void tile_rows(const float *x, int64_t k_in, const int8_t *panel, const f
 #else /* portable: the same chain per output; the compiler vectorizes over lanes */
 
 #define MR 1
+#define WIDENS 0 /* one row at a time: nothing to share a widened panel */
 
 static void tile_rows(const float *x, int64_t k_in, const int8_t *panel, const float *wide,
                       const float *scale, const float *bias, float *y, int64_t n_out, int64_t cols,
@@ -156,7 +159,7 @@ void tandem_int8_linear_f32(const float *x, const int8_t *packed, const float *s
         const int64_t j0 = panels * t / nt, j1 = panels * (t + 1) / nt;
         /* blocks of WIDEN_MIN_ROWS rows and more widen each panel once into ``wide`` (a
          * thread's buffer; without it they widen as they go) */
-        float *wide = m_rows >= WIDEN_MIN_ROWS ? malloc(sizeof(float) * k_in * NR) : NULL;
+        float *wide = WIDENS && m_rows >= WIDEN_MIN_ROWS ? malloc(sizeof(float) * k_in * NR) : NULL;
         for (int64_t i0 = 0; i0 < m_rows; i0 += MC) {
             const int64_t i1 = i0 + MC < m_rows ? i0 + MC : m_rows;
             const int widen = wide != NULL && i1 - i0 >= WIDEN_MIN_ROWS;
