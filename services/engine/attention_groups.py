@@ -79,8 +79,10 @@ def same_shape(chunks: list[Entry]) -> list[list[Entry]]:
     """Prefill chunks split into groups of one length and start: a padded group would
     compute a short prompt's attention at its longest member's length (a 32-token prompt
     beside a 1,024-token one: 32x its work), and whole prompts of one length batch
-    causally without a mask."""
+    causally without a mask. One-token chunks (prompts the prefix cache held but their
+    last token) form one group whatever their cursors, as decode rows do."""
     by_shape: dict[tuple[int, int], list[Entry]] = {}
     for e in chunks:
-        by_shape.setdefault((e[1], e[2]), []).append(e)  # (cursor, new tokens)
+        key = (e[1], e[2]) if e[2] > 1 else (-1, 1)  # (cursor, new tokens)
+        by_shape.setdefault(key, []).append(e)
     return list(by_shape.values())

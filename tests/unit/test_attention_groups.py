@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from services.engine.attention_groups import build_group, same_shape
+from services.engine.model.attention import AttentionMetadata
 
 BS = 4
 CPU = torch.device("cpu")
@@ -67,3 +68,14 @@ def test_whole_prompts_from_position_zero_are_causal_without_a_mask() -> None:
 def test_chunks_group_by_cursor_and_length() -> None:
     a, b, c = (0, 0, 3, [1]), (3, 4, 3, [2, 3]), (6, 0, 3, [4])
     assert same_shape([a, b, c]) == [[a, c], [b]]
+    d, e = (9, 33, 1, [5, 6, 7]), (10, 17, 1, [8, 9])  # one-token chunks: one group
+    assert same_shape([a, d, b, e]) == [[a], [d, e], [b]]
+
+
+def test_a_one_row_prompt_group_is_not_a_decode_step() -> None:
+    """The torch path's pure-decode shortcut (and the fp32 decode math) is for decode rows:
+    a prompt's one-token chunk (a prefix-cache hit's last row) keeps the prompt kernels."""
+    entries = [(0, 40, 1, [3, 4, 5])]
+    decode, prompt = (build_group(entries, BS, None, CPU, p) for p in (False, True))
+    assert AttentionMetadata(slot_mapping=torch.tensor([0]), groups=[decode]).decode_group() is decode
+    assert AttentionMetadata(slot_mapping=torch.tensor([0]), groups=[prompt]).decode_group() is None
