@@ -230,7 +230,7 @@ class EngineConfig:
     cpu_weight_layout: str = field(default="packed", metadata={
         "choices": CPU_WEIGHT_LAYOUTS,
         "help": "CPU weights (the offline engine, colocated workers, the decode pool by "
-                "default): packed (fp32 on AVX-512 or AVX2: one native kernel for every step, decode "
+                "default, and the prefill pool's with bf16 weights): packed (fp32 on AVX-512 or AVX2: one native kernel for every step, decode "
                 "steps through all layers in one native call; bf16 on AMX-BF16: a native kernel on "
                 "the AMX tiles for every step; else blocked), blocked "
                 "(oneDNN's layout) or plain (oneDNN, and the native GEMV for decode steps of up "

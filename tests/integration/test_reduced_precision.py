@@ -170,7 +170,7 @@ def test_int8_weights_stay_close_to_fp32(checkpoint, fp32_llm):
     quantized = [m for m in model.modules() if isinstance(m, Int8Linear)]
     assert quantized and not any(isinstance(m, (nn.Linear, CpuLinear)) for m in model.modules())
     if cpu_kernels.load() is not None:
-        assert all(m.kernels is not None for m in quantized)  # decode rows on the int8 kernel
+        assert all(m.kernels is not None for m in quantized)  # every row on the int8 kernel
     full_bytes = fp32_llm.engine.runner.model.weight_bytes(include_embedding=False)
     assert model.weight_bytes(include_embedding=False) < 0.3 * full_bytes
     agreement, gap = _closeness(low, fp32_llm)
@@ -261,3 +261,13 @@ def test_a_row_computes_alike_alone_and_in_a_batch(dtype, tol):
     x = torch.randn(rows, 64, generator=gen)
     alone = torch.cat([layer(x[i:i + 1]) for i in range(rows)])
     torch.testing.assert_close(alone, layer(x), rtol=tol, atol=tol)
+
+
+def test_a_bf16_head_keeps_the_layers_layout_without_amx(monkeypatch):
+    from services.engine.model import onednn
+
+    monkeypatch.setattr(amx_linear, "load", lambda: None)
+    for layout in ("packed", "blocked", "plain"):
+        assert onednn.head_layout(layout, torch.bfloat16, True) == layout
+    with pytest.raises(ValueError, match="CPU weight layout must be one of"):
+        onednn.head_layout("dense", torch.bfloat16, True)

@@ -69,7 +69,7 @@ def test_a_near_tie_in_the_logits_goes_to_the_larger_logit():
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("layout", ["packed", "blocked", "plain"])
 def test_a_bf16_lm_head_takes_the_amx_layout_whatever_the_layers_layout(tied, layout):
-    """So every pool (the prefill pool's layers are blocked) gets the same unrounded logits."""
+    """So a pool gets the same unrounded logits whatever layout its layers take."""
     cfg = ModelConfig.from_dict({
         "architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64,
         "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 4,
@@ -88,7 +88,6 @@ def test_a_bf16_lm_head_takes_the_amx_layout_whatever_the_layers_layout(tied, la
     assert isinstance(model.embed_tokens, amx_linear.AmxEmbedding) == tied
     hidden = torch.randn(3, 64)
     assert torch.equal(head(hidden), reference.lm_head(hidden))
-    assert torch.equal(model.compute_logits(hidden), head(hidden))
 
 
 def test_a_row_gives_the_same_bits_alone_and_in_any_batch():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 import yaml
 
 from services.bench import profile as profile_mod
@@ -15,7 +16,8 @@ from services.bench.plan import models
 from services.bench.plan_validate import burst_args, server_layout_args
 from services.cluster.cli import build_parser, main as cli
 from services.cluster.serve import build_config
-from services.common.config import ClusterConfig, EngineConfig
+from services.common.config import CPU_FP32_DTYPES, DTYPES, ClusterConfig, EngineConfig
+from services.engine.model.loader import resolve_dtype
 
 
 def test_each_kind_of_worker_gets_the_layout_the_cluster_gives_it():
@@ -41,6 +43,12 @@ def test_a_bf16_prefill_pool_takes_the_cpu_weight_layout(dtype):
     assert cfg.pool_layout("prefill") == "blocked"
     for fp32 in ("auto", "float32", "fp32"):
         assert ClusterConfig(engine=EngineConfig(dtype=fp32)).pool_layout("prefill") == "blocked"
+
+
+def test_the_fp32_dtypes_are_those_the_loader_keeps_fp32_on_cpu():
+    cpu = torch.device("cpu")
+    for name in DTYPES:  # resolve_dtype reads the checkpoint's config for auto on GPU only
+        assert (resolve_dtype(name, None, cpu) == torch.float32) == (name in CPU_FP32_DTYPES), name
 
 
 def test_profile_takes_the_layout_flags_of_tandem_serve():

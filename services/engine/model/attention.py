@@ -101,12 +101,15 @@ class TorchPagedAttention:
     cache run their products in bf16 on AMX: the native AMX kernel where it is loaded
     (reading blocks in place; 1.2-1.6x torch's bf16 SDPA over gathered blocks, 1.8-2.2x the
     native fp32 math, on prompts of 256-4,096 tokens); without native kernels, one bf16
-    SDPA. Every prompt group does, whatever its rows (a chunk of one row too): a prompt
-    row's result must not depend on the chunk it fell in (the prefix cache's hits and the
-    token budget cut chunks anywhere), and the bf16 products round what the fp32 math does
-    not. Decode and speculative verify rows keep the native fp32 kernels, so verifying a
-    draft computes what plain decoding does; so do prompts whose head size the AMX kernel
-    does not take.
+    SDPA (whose sums can follow the chunk). Every prompt group does, whatever its rows (a
+    chunk of one row too): a prompt row's result must not depend on the chunk it fell in
+    (the prefix cache's hits and the token budget cut chunks anywhere), and the bf16
+    products round what the fp32 math does not. Decode and speculative verify rows keep
+    the native fp32 kernels, so verifying a draft computes what plain decoding does; so do
+    prompts whose head size the AMX kernel does not take. A token's KV is computed as the
+    row it was: a generated token's, cached and reused in a later prompt (a chat's next
+    turn), or recomputed as a prompt row after a preemption, can differ from the other's
+    in bf16 roundings.
     """
 
     uses_varlen = False

@@ -17,9 +17,9 @@ Each weight is stored once, in one of three layouts (``--cpu-weight-layout``):
   layout (``_reorder_linear_weight``, an opaque tensor): in bf16 it runs on AMX tiles.
 - **plain**: ``[out, in]`` as loaded; oneDNN, and the native GEMV (``cpu_kernels.gemv``,
   ``csrc/gemv.c``) for decode-sized inputs (up to 16 rows fp32, 2 bf16). A tied LM head
-  is the embedding table: packed, the lookup reads the packed head
-  (``packed_linear.PackedEmbedding``, ``amx_linear.AmxEmbedding``); in the other layouts
-  the head reads the plain table.
+  is the embedding table: packed (fp32, or bf16 on AMX, where a bf16 head always is), the
+  lookup reads the packed head (``packed_linear.PackedEmbedding``,
+  ``amx_linear.AmxEmbedding``); otherwise the head reads the plain table.
 
 Activations stay fp32; with bf16 weights the input is rounded to bf16 for the
 product (oneDNN's, the AMX kernel's, or the GEMV's, which widens both to fp32) and the

@@ -61,8 +61,10 @@ class _DraftView:
         self.num_computed_tokens = computed
         self.block_ids = seq.block_ids
         self.params = _GREEDY
+        # the sampler's views (greedy, no penalties: never read for content); the runner reads
+        # the prompt's length from num_prompt_tokens
         self.prompt_token_ids: list[int] = []
-        self.output_token_ids: list[int] = []  # greedy, no penalties: never read for content
+        self.output_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:
