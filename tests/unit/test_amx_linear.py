@@ -16,6 +16,13 @@ kernels = amx_linear.load()
 pytestmark = pytest.mark.skipif(kernels is None, reason="no AMX-BF16 on this machine")
 
 
+def _one_layer_config(tied: bool) -> ModelConfig:
+    return ModelConfig.from_dict({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64,
+        "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "tie_word_embeddings": tied})
+
+
 def _reference(x, w, b):
     y = x.bfloat16().double() @ w.double().T + (0 if b is None else b.double())
     return y.bfloat16().float()
@@ -70,10 +77,7 @@ def test_a_near_tie_in_the_logits_goes_to_the_larger_logit():
 @pytest.mark.parametrize("layout", ["packed", "blocked", "plain"])
 def test_a_bf16_lm_head_takes_the_amx_layout_whatever_the_layers_layout(tied, layout):
     """So a pool gets the same unrounded logits whatever layout its layers take."""
-    cfg = ModelConfig.from_dict({
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64,
-        "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "tie_word_embeddings": tied})
+    cfg = _one_layer_config(tied=tied)
     torch.manual_seed(1)
     model, reference = LlamaModel(cfg), LlamaModel(cfg)
     reference.load_state_dict(model.state_dict())
@@ -146,10 +150,7 @@ def test_an_embedding_reads_the_plain_tables_rows_from_the_packed_weight(vocab, 
 def test_a_tied_bf16_head_is_stored_once_in_the_amx_layout():
     """The head streams the AMX-packed table and the lookup reads that same tensor: the
     plain table's rows, and its logits within the bf16 rounding."""
-    cfg = ModelConfig.from_dict({
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64,
-        "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "tie_word_embeddings": True})
+    cfg = _one_layer_config(tied=True)
     torch.manual_seed(0)
     packed, plain = LlamaModel(cfg), LlamaModel(cfg)
     plain.load_state_dict(packed.state_dict())

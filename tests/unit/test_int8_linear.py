@@ -4,16 +4,15 @@ blocks of prompt rows widen it once: the same sums)."""
 
 from __future__ import annotations
 
-import ctypes
 import platform
-import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from services.engine.model import kernel_build, quantized
+from services.engine.model import quantized
 from services.engine.model.quantized import Int8Linear
+from tests.native_build import build_for
 
 kernels = quantized.load()
 needs_kernel = pytest.mark.skipif(kernels is None, reason="no C compiler on this machine")
@@ -75,16 +74,6 @@ def test_without_the_kernels_each_call_dequantizes(monkeypatch):
     torch.testing.assert_close(lin(x), F.linear(x, lin.dequantized(), lin.bias))
 
 
-def _build(tmp_path, march: str) -> quantized.Int8Kernels:
-    """int8_linear.c alone, compiled for ``march`` instead of this CPU."""
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    lib_path = kernel_build.compile_to(compiler, tmp_path / f"{march}.so", march, ("int8_linear.c",))
-
-    class Lib:  # what Int8Kernels binds from the library
-        lib = ctypes.CDLL(str(lib_path))
-    return quantized.Int8Kernels(Lib())  # type: ignore[arg-type]
-
-
 @needs_kernel
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 builds")
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64-v2"])
@@ -92,7 +81,7 @@ def test_the_other_builds_compute_the_same_bits(tmp_path, march):
     """Built for AVX2 + FMA (x86-64-v3: its own tiles) or without FMA (x86-64-v2: the
     portable loop, fmaf) the products are this CPU's build's, bit for bit: every build
     runs each output's same chain of fused multiply-adds."""
-    other = _build(tmp_path, march)
+    other = quantized.Int8Kernels(build_for(tmp_path, march, ("int8_linear.c",)))  # type: ignore[arg-type]
     q, scale = quantized.quantize_rows(torch.randn(161, 70, generator=torch.Generator().manual_seed(6)))
     bias = torch.randn(161)
     packed = kernels.pack(q)

@@ -5,14 +5,13 @@ the embedding lookup in a packed (tied) head."""
 
 from __future__ import annotations
 
-import ctypes
 import platform
-import shutil
 
 import pytest
 import torch
 
-from services.engine.model import kernel_build, packed_linear
+from services.engine.model import packed_linear
+from tests.native_build import build_for
 
 pytestmark = pytest.mark.skipif(packed_linear.load() is None,
                                 reason="no C compiler, or no AVX-512 or AVX2 + FMA on this machine")
@@ -99,12 +98,7 @@ def test_an_embedding_reads_the_plain_tables_rows_from_the_packed_weight(vocab):
 
 def _build(tmp_path, march: str) -> packed_linear.PackedKernels:
     """packed_linear.c alone, compiled for ``march`` instead of this CPU."""
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    lib_path = kernel_build.compile_to(compiler, tmp_path / f"{march}.so", march, ("packed_linear.c",))
-
-    class Lib:  # what PackedKernels binds from the library
-        lib = ctypes.CDLL(str(lib_path))
-    return packed_linear.PackedKernels(Lib())  # type: ignore[arg-type]
+    return packed_linear.PackedKernels(build_for(tmp_path, march, ("packed_linear.c",)))  # type: ignore[arg-type]
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 builds")

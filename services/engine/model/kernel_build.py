@@ -19,7 +19,7 @@ SOURCES = ("paged_decode.c", "paged_prefill.c", "paged_prefill_amx.c", "amx_line
            "fused_ops.c", "int8_linear.c", "gemv.c", "packed_linear.c", "argmax.c",
            "decode_stack.c", "top_candidates.c", "inverse_cdf.c")
 HEADERS = ("amx_attention.h", "amx_tiles.h", "kernels.h", "gemv_avx2.h", "packed_avx2.h",
-           "silu.h", "vexp.h", "vexp512.h", "team.h", "kv_load.h", "paged_decode_impl.h",
+           "pack_panels.h", "silu.h", "vexp.h", "vexp512.h", "team.h", "kv_load.h", "paged_decode_impl.h",
            "paged_prefill_impl.h", "prefill_tasks.h", "prefill_vec.h", "transpose16.h",
            "transpose8.h", "vexp256.h")
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-fPIC",

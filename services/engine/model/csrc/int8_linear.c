@@ -23,6 +23,7 @@
 #include <stdlib.h>
 
 #include "kernels.h"
+#include "pack_panels.h"
 #include "team.h"
 
 #define NR TANDEM_PACK_WIDTH /* output channels per panel */
@@ -30,14 +31,7 @@
 #define WIDEN_MIN_ROWS 24    /* blocks of this many rows widen each panel once, not per tile */
 
 void tandem_pack_int8(const int8_t *w, int8_t *packed, int64_t n_out, int64_t k_in) {
-    const int64_t panels = (n_out + NR - 1) / NR;
-#pragma omp parallel for num_threads(tandem_team(panels))
-    for (int64_t j = 0; j < panels; ++j)
-        for (int64_t k = 0; k < k_in; ++k)
-            for (int64_t c = 0; c < NR; ++c) {
-                const int64_t n = j * NR + c;
-                packed[(j * k_in + k) * NR + c] = n < n_out ? w[n * k_in + k] : 0;
-            }
+    TANDEM_PACK_PANELS(w, packed, n_out, k_in);
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)

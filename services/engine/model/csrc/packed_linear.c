@@ -39,6 +39,7 @@
 #include <stdint.h>
 
 #include "kernels.h"
+#include "pack_panels.h"
 #include "silu.h"
 #include "team.h"
 
@@ -72,14 +73,7 @@ static inline prefetch_span next_panel_share(const float *next, int64_t k_in, in
 }
 
 void tandem_pack_linear_f32(const float *w, float *packed, int64_t n_out, int64_t k_in) {
-    const int64_t panels = (n_out + NR - 1) / NR;
-#pragma omp parallel for num_threads(tandem_team(panels))
-    for (int64_t j = 0; j < panels; ++j)
-        for (int64_t k = 0; k < k_in; ++k)
-            for (int64_t c = 0; c < NR; ++c) {
-                const int64_t n = j * NR + c;
-                packed[(j * k_in + k) * NR + c] = n < n_out ? w[n * k_in + k] : 0.f;
-            }
+    TANDEM_PACK_PANELS(w, packed, n_out, k_in);
 }
 
 #if defined(__AVX512F__)
