@@ -22,7 +22,7 @@ from torch import nn
 
 from services.engine.model import cpu_features, cpu_kernels
 from services.engine.model.cpu_kernels import CpuKernels, bind
-from services.engine.model.packed_linear import check_ids, packed_copy
+from services.engine.model.packed_linear import check_fp32_operands, check_ids, packed_copy
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -52,9 +52,7 @@ class AmxLinearKernels:
         """``bf16(x [M, K] @ W.T + bias)`` -> ``[M, n_out]`` fp32, with ``packed`` from
         ``pack(W)``; ``x`` and ``bias`` fp32. ``round_output=False``: the fp32 sums as they
         are (an LM head's logits)."""
-        for t in (x, *(() if bias is None else (bias,))):
-            if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
-                raise ValueError("AMX linears need contiguous fp32 CPU inputs and bias")
+        check_fp32_operands("AMX linears' inputs and bias", x, bias)
         if x.dim() != 2 or packed.dtype != torch.bfloat16 \
                 or packed.numel() != packed_numel(n_out, x.shape[1]) \
                 or (bias is not None and bias.shape != (n_out,)):

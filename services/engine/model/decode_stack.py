@@ -19,7 +19,6 @@ Python forward.
 from __future__ import annotations
 
 import ctypes
-import sys
 from typing import TYPE_CHECKING
 
 import torch
@@ -54,11 +53,9 @@ _WEIGHTS = {("plain", torch.float32): 0, ("plain", torch.bfloat16): 1, ("packed"
 
 def _weights_kind(lin: torch.nn.Module) -> tuple[str, torch.dtype] | None:
     """The ``_WEIGHTS`` key of a projection the stack can run (on a native kernel), else None."""
-    if isinstance(lin, Int8Linear):
-        return ("int8", torch.int8) if lin.kernels is not None else None
-    if isinstance(lin, CpuLinear) and lin.native_rows > 0:
-        return lin.layout, lin.weight.dtype
-    return None
+    if not isinstance(lin, (CpuLinear, Int8Linear)) or lin.native_rows == 0:
+        return None
+    return ("int8", torch.int8) if isinstance(lin, Int8Linear) else (lin.layout, lin.weight.dtype)
 
 
 def _weight_and_scale(lin: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -96,7 +93,7 @@ class DecodeStack:
         are final (``LlamaModel.use_cpu_kernels``), and keeps those tensors alive."""
         cfg, layers = model.config, model.layers
         qkv = layers[0].qkv_proj
-        self.max_rows = sys.maxsize if isinstance(qkv, Int8Linear) else qkv.native_rows
+        self.max_rows = qkv.native_rows
         self.shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size)
         tensors = [model.rope.cos, model.rope.sin, model.norm.weight]
         rows = []

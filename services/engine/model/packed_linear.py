@@ -57,9 +57,7 @@ class PackedKernels:
 
     @staticmethod
     def _check(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n_out: int) -> None:
-        for t in (x, packed, *(() if bias is None else (bias,))):
-            if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
-                raise ValueError("packed linears need contiguous fp32 CPU tensors")
+        check_fp32_operands("packed linears", x, packed, bias)
         if x.dim() != 2 or packed.dim() != 3 or packed.shape[1] != x.shape[1] \
                 or packed.shape[2] != PANEL or not 0 < n_out <= packed.shape[0] * PANEL \
                 or n_out <= (packed.shape[0] - 1) * PANEL \
@@ -100,6 +98,15 @@ def packed_copy(pack: ctypes._CFuncPtr, weight: torch.Tensor, layout: str, dtype
     packed = huge_pages.empty(shape(n, k), dtype)
     pack(weight.data_ptr(), packed.data_ptr(), n, k)
     return packed
+
+
+def check_fp32_operands(what: str, *tensors: torch.Tensor | None) -> None:
+    """ValueError unless every tensor given (None: an absent bias) is a contiguous fp32 CPU
+    tensor, as the native linears read them."""
+    for t in tensors:
+        if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu"
+                              or not t.is_contiguous()):
+            raise ValueError(f"{what} need contiguous fp32 CPU tensors")
 
 
 def check_ids(ids: torch.Tensor, num_embeddings: int) -> None:

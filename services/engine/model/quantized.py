@@ -13,6 +13,7 @@ stays ``[N, K]`` and each call dequantizes it for one fp32 matmul.
 from __future__ import annotations
 
 import ctypes
+import sys
 from functools import cache
 
 import torch
@@ -21,7 +22,7 @@ from torch import nn
 
 from services.engine.model import cpu_kernels
 from services.engine.model.cpu_kernels import CpuKernels, bind
-from services.engine.model.packed_linear import PANEL, packed_copy
+from services.engine.model.packed_linear import PANEL, check_fp32_operands, packed_copy
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -50,9 +51,7 @@ class Int8Kernels:
     def linear(self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                bias: torch.Tensor | None, n_out: int) -> torch.Tensor:
         """``(x [M, K] @ W.T) * scale + bias`` -> ``[M, n_out]`` fp32, ``packed = pack(W)``."""
-        for t in (x, scale, *(() if bias is None else (bias,))):
-            if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
-                raise ValueError("int8 linears need contiguous fp32 CPU inputs, scales and bias")
+        check_fp32_operands("int8 linears' inputs, scales and bias", x, scale, bias)
         if x.dim() != 2 or packed.dtype != torch.int8 \
                 or packed.shape != ((n_out + PANEL - 1) // PANEL, x.shape[1], PANEL) \
                 or scale.shape != (n_out,) or (bias is not None and bias.shape != (n_out,)):
@@ -85,6 +84,8 @@ class Int8Linear(nn.Module):
         self.kernels = load() if native and weight.device.type == "cpu" else None
         # packed [ceil(N / 32), K, 32] for the kernel, else [N, K]
         self.qweight = q if self.kernels is None else self.kernels.pack(q)
+        # input rows up to which the native kernel runs the product (all of them), as CpuLinear
+        self.native_rows = 0 if self.kernels is None else sys.maxsize
 
     def dequantized(self) -> torch.Tensor:
         """The fp32 weight ``[N, K]`` this layer computes with."""
