@@ -280,52 +280,26 @@ def test_background_sampler_is_not_biased_by_counters_that_tick_apart(monkeypatc
 
 
 def test_background_sampler_counts_other_processes_cpu_not_ours():
+    import json
     import os
-    import signal
     import statistics
     import subprocess
     import sys
-    import threading
-    import time
+    from pathlib import Path
 
-    from services.bench.cpu_load import BackgroundSampler, busy_cpu_seconds, process_cpu_seconds
-
-    def measure(pid: int) -> tuple[float, float, float]:
-        """(what the sampler counts, the machine's busy cores less ours, ``pid``'s cores)
-        over the same 1.5 s: whatever else runs meanwhile shows in both of the first two."""
-        t0, busy0 = time.monotonic(), busy_cpu_seconds()
-        ours0, pid0 = process_cpu_seconds(os.getpid()), process_cpu_seconds(pid)
-        sampler = BackgroundSampler(interval_s=0.1).start()
-        time.sleep(1.5)
-        counted = sampler.stop()
-        dt = time.monotonic() - t0
-        others = (busy_cpu_seconds() - busy0 - (process_cpu_seconds(os.getpid()) - ours0)) / dt
-        return counted, others, (process_cpu_seconds(pid) - pid0) / dt
-
-    def with_our_spinner() -> tuple[float, float, float]:
-        stop = threading.Event()
-        spinner = threading.Thread(target=lambda: [None for _ in iter(stop.is_set, True)], daemon=True)
-        spinner.start()  # one of our threads busy on a core
-        try:
-            return measure(os.getpid())
-        finally:
-            stop.set()
-            spinner.join()
-
-    def with_their_spinner() -> tuple[float, float, float]:
-        # a busy process outside our tree (the shell exits; its child is reparented away from us)
-        pid = int(subprocess.run(["sh", "-c", f"{sys.executable} -c 'while True: pass' >/dev/null 2>&1 & echo $!"],
-                                 capture_output=True, text=True, check=True).stdout)
-        try:
-            return measure(pid)
-        finally:
-            os.kill(pid, signal.SIGKILL)
+    from services.bench.cpu_load import process_cpu_seconds
 
     # The machine's own background (other test processes winding down, say) comes and goes and
     # takes cores from the spinners, so each measurement is checked against the machine's busy
     # time over the same interval: our busy thread is left out, their busy process counted.
-    ours = [with_our_spinner() for _ in range(3)]
-    theirs = [with_their_spinner() for _ in range(3)]
+    # Measured in a process of its own (tests/cpu_sampler_probe.py): none of this session's
+    # children (a Ray cluster's) in the sampler's tree.
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-m", "tests.cpu_sampler_probe"], cwd=root, check=True,
+                         capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(root)}).stdout
+    probe = json.loads(out.strip().splitlines()[-1])
+    ours, theirs = probe["ours"], probe["theirs"]
     assert statistics.median(spin for _, _, spin in ours) > 0.5, ours  # our thread did run
     assert statistics.median(abs(counted - others) for counted, others, _ in ours) < 0.3, ours
     assert statistics.median(spin for _, _, spin in theirs) > 0.5, theirs
