@@ -41,6 +41,8 @@ class AmxLinearKernels:
         self._pack = bind(lib, "tandem_amx_pack_linear", None, _ptr, _ptr, _i64, _i64)
         self._linear = bind(lib, "tandem_amx_linear", ctypes.c_int,
                             _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, ctypes.c_int)
+        self._gate_up_silu = bind(lib, "tandem_amx_gate_up_silu", ctypes.c_int,
+                                  _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr)
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """``weight [N, K]`` bf16 -> its packed copy, flat (``packed_numel(N, K)`` elements)."""
@@ -52,25 +54,48 @@ class AmxLinearKernels:
         """``bf16(x [M, K] @ W.T + bias)`` -> ``[M, n_out]`` fp32, with ``packed`` from
         ``pack(W)``; ``x`` and ``bias`` fp32. ``round_output=False``: the fp32 sums as they
         are (an LM head's logits)."""
+        self._check(x, packed, bias, n_out)
+        out = x.new_empty(x.shape[0], n_out)
+        if x.shape[0]:
+            self._done(self._linear(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), n_out,
+                                    None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                    int(round_output)))
+        return out
+
+    @staticmethod
+    def fuses_gate_up(n_out: int) -> bool:
+        """Whether a gate|up product of ``n_out`` outputs can run as ``gate_up_silu``: its
+        gate and up halves start on 16-output blocks."""
+        return n_out % 32 == 0
+
+    def gate_up_silu(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                     n_out: int) -> torch.Tensor:
+        """``silu(gate) * up`` of the fused product ``x [M, K] @ W.T + bias`` (``W [n_out, K]``,
+        gate rows then up rows, packed by ``pack``) -> ``[M, n_out / 2]`` fp32, bit-identical
+        to ``linear`` then ``CpuKernels.silu_mul`` but without the product written out."""
+        if not self.fuses_gate_up(n_out):
+            raise ValueError(f"gate|up fusion needs whole 16-output blocks per half, got {n_out}")
+        self._check(x, packed, bias, n_out)
+        out = x.new_empty(x.shape[0], n_out // 2)
+        if x.shape[0]:
+            self._done(self._gate_up_silu(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(),
+                                          n_out // 2, None if bias is None else bias.data_ptr(),
+                                          out.data_ptr()))
+        return out
+
+    @staticmethod
+    def _check(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n_out: int) -> None:
         check_fp32_operands("AMX linears' inputs and bias", x, bias)
         if x.dim() != 2 or packed.dtype != torch.bfloat16 \
                 or packed.numel() != packed_numel(n_out, x.shape[1]) \
                 or (bias is not None and bias.shape != (n_out,)):
             raise ValueError(f"AMX linear: x {tuple(x.shape)}, {packed.numel()} packed elements, "
                              f"{n_out} outputs do not fit")
-        out = x.new_empty(x.shape[0], n_out)
-        if x.shape[0]:
-            rc = self._linear(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), n_out,
-                              None if bias is None else bias.data_ptr(), out.data_ptr(),
-                              int(round_output))
-            if rc != 0:
-                raise MemoryError("the AMX linear could not allocate its bf16 input")
-        return out
 
     @staticmethod
-    def fuses_gate_up(n_out: int) -> bool:
-        """No fused gate|up here: the MLP takes the product, then SiLU·mul."""
-        return False
+    def _done(rc: int) -> None:
+        if rc != 0:
+            raise MemoryError("the AMX linear could not allocate its bf16 input")
 
 
 class AmxEmbedding(nn.Module):

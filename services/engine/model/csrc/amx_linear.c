@@ -1,16 +1,19 @@
 /* bf16 linears on AMX tiles: y = bf16(x W^T + b) written as fp32, x fp32 (rounded to bf16
  * for the product, as oneDNN rounds a bf16 product's input), W bf16 packed once. With
- * round_output 0 (an LM head: logits) y is the fp32 sum itself, not rounded to bf16.
+ * round_output 0 (an LM head: logits) y is the fp32 sum itself, not rounded to bf16; an
+ * MLP's gate|up product can end in its SiLU·mul instead (tandem_amx_gate_up_silu).
  *
  * Packed weight: blocks of 16 outputs x 32 inputs in the tile product's pair-interleaved
  * layout, 1 KB each, input-major within an output block:
  *   wp[((nb * Kb + kb) * 16 + kp) * 32 + 2 n + e] = W[16 nb + n][32 kb + 2 kp + e]
  * (zero beyond N or K; Nb = ceil(N / 16) rounded up to even, Kb = ceil(K / 32)).
- * A call rounds x into a zero-padded bf16 copy [Mp][32 Kb] (Mp: M rounded up to 32), then
- * each item (32 rows, 32 outputs) accumulates 2 x 2 tiles over K. Items run by panels of
- * rows whose bf16 copy fits in L2 (A_PANEL_BYTES), output-major within a panel: a decode
- * step's few rows read each weight block once in all, and a prompt's row blocks reuse a
- * weight block from cache while their panel stays in L2.
+ * A call rounds x into a zero-padded bf16 copy in tiles (16 rows x 32 inputs, 1 KB each,
+ * so a tile load reads 1 KB in a row), then each item (32 rows, 32 outputs) accumulates
+ * 2 x 2 tiles over K. Items run by panels of rows whose bf16 copy fits in L2
+ * (A_PANEL_BYTES), output-major within a panel: a decode step's few rows read each weight
+ * block once in all, and a prompt's row blocks reuse a weight block from cache while their
+ * panel stays in L2. An item's block is written out (bias, rounding) while the next item's
+ * tiles compute.
  * Each output is the same accumulation over K whatever the batch: a row's result does
  * not depend on its batch.
  */
@@ -21,6 +24,7 @@
 
 #include "kernels.h"
 #include "kv_load.h"
+#include "silu.h"
 #include "team.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
@@ -46,51 +50,87 @@ void tandem_amx_pack_linear(const uint16_t *w, uint16_t *wp, int64_t N, int64_t 
         }
 }
 
-/* Rows m0 .. m0 + 31 of the item's 32 x 32 fp32 tile block ``c`` into ``out`` (rows < M,
- * outputs n0 .. n0 + nn - 1), plus the bias, rounded to bf16 if ``round_output``. */
-static inline void tandem_amx_linear_store(const float *c, float *out, const float *bias,
-                                           int64_t m0, int64_t M, int64_t n0, int64_t nn,
-                                           int64_t N, int round_output) {
-    for (int64_t r = 0; r < 32 && m0 + r < M; ++r)
+/* What an item's 32 x 32 fp32 block ``c`` becomes: ``out`` rows m0 .. (< M), ``ld`` apart. */
+typedef struct {
+    const float *bias;
+    float *out;
+    int64_t M, N, ld;
+    int mode;  /* TANDEM_AMX_RAW, TANDEM_AMX_ROUND or TANDEM_AMX_SILU */
+} tandem_amx_epilogue;
+
+enum { TANDEM_AMX_RAW, TANDEM_AMX_ROUND, TANDEM_AMX_SILU };
+
+static inline __m512 tandem_amx_to_bf16(__m512 v) {  /* rounded to bf16, kept as fp32 */
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* Rows r0 .. r1 - 1 (< 32) of block ``c``, whose outputs start at n0: plus the bias, rounded
+ * to bf16 unless RAW, written out; SILU: columns 0-15 are gate outputs n0 .. n0 + 15 and
+ * 16-31 the up outputs N + n0 .. (bias there), written as silu(gate) * up at n0 .. n0 + 15
+ * (tandem_silu_mul1, as tandem_silu_mul_f32 computes it). */
+static inline void tandem_amx_store_rows(const float *c, const tandem_amx_epilogue *e,
+                                         int64_t m0, int64_t n0, int64_t r0, int64_t r1) {
+    if (e->mode == TANDEM_AMX_SILU) {
+        for (int64_t r = r0; r < r1 && m0 + r < e->M; ++r) {
+            __m512 g = _mm512_load_ps(c + r * 32), u = _mm512_load_ps(c + r * 32 + 16);
+            if (e->bias != NULL) {
+                g = _mm512_add_ps(g, _mm512_loadu_ps(e->bias + n0));
+                u = _mm512_add_ps(u, _mm512_loadu_ps(e->bias + e->N + n0));
+            }
+            float gs[16] __attribute__((aligned(64))), us[16] __attribute__((aligned(64)));
+            _mm512_store_ps(gs, tandem_amx_to_bf16(g));
+            _mm512_store_ps(us, tandem_amx_to_bf16(u));
+            float *o = e->out + (m0 + r) * e->ld + n0;
+            for (int i = 0; i < 16; ++i) o[i] = tandem_silu_mul1(gs[i], us[i]);
+        }
+        return;
+    }
+    const int64_t nn = e->N - n0 < 32 ? e->N - n0 : 32;
+    for (int64_t r = r0; r < r1 && m0 + r < e->M; ++r)
         for (int64_t j0 = 0; j0 < nn; j0 += 16) {
             const __mmask16 keep = nn - j0 >= 16 ? (__mmask16)0xffff
                                                  : (__mmask16)((1u << (nn - j0)) - 1);
             __m512 v = _mm512_load_ps(c + r * 32 + j0);
-            if (bias != NULL) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, bias + n0 + j0));
-            if (round_output) {
-                const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
-                v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-            }
-            _mm512_mask_storeu_ps(out + (m0 + r) * N + n0 + j0, keep, v);
+            if (e->bias != NULL) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, e->bias + n0 + j0));
+            if (e->mode == TANDEM_AMX_ROUND) v = tandem_amx_to_bf16(v);
+            _mm512_mask_storeu_ps(e->out + (m0 + r) * e->ld + n0 + j0, keep, v);
         }
 }
 
-int tandem_amx_linear(const float *x, int64_t M, int64_t K, const uint16_t *wp, int64_t N,
-                      const float *bias, float *out, int round_output) {
+/* The product of x [M, K] (fp32) with the 16-output blocks of ``wp``: item (row block mb,
+ * pair p) accumulates blocks first(p) and first(p) + step, 32 rows x 32 outputs, into
+ * ``e`` at output 16 * p * (SILU ? 1 : 2). Pairs are (2p, 2p + 1) unless SILU, where
+ * they are (p, p + npairs): a gate block and its up block. */
+static int tandem_amx_run(const float *x, int64_t M, int64_t K, const uint16_t *wp,
+                          int64_t npairs, const tandem_amx_epilogue *e) {
     if (!tandem_amx_permitted()) return -2;
-    const int64_t Kb = (K + 31) / 32, Kp = Kb * 32, Nb = ((N + 15) / 16 + 1) / 2 * 2;
-    const int64_t Mp = (M + 31) / 32 * 32, npairs = Nb / 2;
+    const int silu = e->mode == TANDEM_AMX_SILU;
+    const int64_t Kb = (K + 31) / 32, Kp = Kb * 32, Mp = (M + 31) / 32 * 32;
     int64_t panel = A_PANEL_BYTES / (Kp * 2) / 32;  /* 32-row blocks a panel */
     if (panel < 1) panel = 1;
     const int64_t mblocks = Mp / 32, items = mblocks * npairs;
-    uint16_t *a = aligned_alloc(64, (size_t)(Mp * Kp * 2 + 63) / 64 * 64);
+    const int64_t rows_a_step = (32 + Kb - 1) / Kb;  /* of the previous block, stored per kb */
+    /* x rounded to bf16 in tiles: 16 rows x 32 inputs contiguous (1 KB), input-major within
+     * 16-row groups, zero-padded to Mp x Kp */
+    uint16_t *a = aligned_alloc(64, (size_t)Mp * Kp * 2);
     if (a == NULL) return -1;
 #pragma omp parallel num_threads(tandem_team(items))
     {
 #pragma omp for schedule(static)
-        for (int64_t m = 0; m < Mp; ++m) {  /* x rounded to bf16, zero-padded */
-            uint16_t *dst = a + m * Kp;
-            int64_t k = 0;
-            if (m < M) {
-                const float *src = x + m * K;
-                for (; k + 16 <= K; k += 16)
-                    _mm256_storeu_si256((__m256i *)(dst + k),
-                                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + k)));
-                for (; k < K; ++k) dst[k] = tandem_round_bf16(src[k]);
+        for (int64_t m = 0; m < Mp; ++m) {
+            uint16_t *dst = a + (m / 16) * Kb * 512 + (m % 16) * 32;
+            const float *src = x + (m < M ? m : 0) * K;  /* padding rows read nothing */
+            for (int64_t k = 0; k < Kp; k += 16) {
+                const int64_t left = m < M ? K - k : 0;
+                const __mmask16 keep = left >= 16 ? (__mmask16)0xffff
+                                     : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+                _mm256_store_si256((__m256i *)(dst + (k / 32) * 512 + k % 32),
+                                   (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(keep, src + k)));
             }
-            memset(dst + k, 0, (size_t)(Kp - k) * 2);
         }
         float c[32 * 32] __attribute__((aligned(64)));
+        int64_t prev_m0 = -1, prev_n0 = 0;  /* the block in c not yet stored */
         tandem_amx_configure();
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < items; ++it) {
@@ -98,34 +138,55 @@ int tandem_amx_linear(const float *x, int64_t M, int64_t K, const uint16_t *wp, 
             const int64_t p0 = it / (panel * npairs) * panel;
             const int64_t pn = mblocks - p0 < panel ? mblocks - p0 : panel;
             const int64_t in_panel = it - p0 * npairs, np = in_panel / pn, mb = p0 + in_panel % pn;
-            const uint16_t *a0 = a + mb * 32 * Kp, *a1 = a0 + 16 * Kp;
-            const uint16_t *b0 = wp + 2 * np * Kb * 512, *b1 = b0 + Kb * 512;
+            const uint16_t *a0 = a + 2 * mb * Kb * 512, *a1 = a0 + Kb * 512;
+            const uint16_t *b0 = wp + (silu ? np : 2 * np) * Kb * 512;
+            const uint16_t *b1 = b0 + (silu ? npairs : 1) * Kb * 512;
             _tile_zero(0);
             _tile_zero(1);
             _tile_zero(2);
             _tile_zero(3);
             for (int64_t kb = 0; kb < Kb; ++kb) {
-                _tile_loadd(4, a0 + kb * 32, Kp * 2);
-                _tile_loadd(5, a1 + kb * 32, Kp * 2);
+                _tile_loadd(4, a0 + kb * 512, 64);
+                _tile_loadd(5, a1 + kb * 512, 64);
                 _tile_loadd(6, b0 + kb * 512, 64);
                 _tile_loadd(7, b1 + kb * 512, 64);
                 _tile_dpbf16ps(0, 4, 6);
                 _tile_dpbf16ps(1, 4, 7);
                 _tile_dpbf16ps(2, 5, 6);
                 _tile_dpbf16ps(3, 5, 7);
+                /* the previous block's rows go out while the tiles compute */
+                if (prev_m0 >= 0 && kb * rows_a_step < 32)
+                    tandem_amx_store_rows(c, e, prev_m0, prev_n0, kb * rows_a_step,
+                                          (kb + 1) * rows_a_step < 32 ? (kb + 1) * rows_a_step : 32);
             }
             _tile_stored(0, c, 128);
             _tile_stored(1, c + 16, 128);
             _tile_stored(2, c + 16 * 32, 128);
             _tile_stored(3, c + 16 * 32 + 16, 128);
-            const int64_t n0 = np * 32;
-            tandem_amx_linear_store(c, out, bias, mb * 32, M, n0, N - n0 < 32 ? N - n0 : 32, N,
-                                     round_output);
+            prev_m0 = mb * 32;
+            prev_n0 = np * (silu ? 16 : 32);
         }
+        if (prev_m0 >= 0) tandem_amx_store_rows(c, e, prev_m0, prev_n0, 0, 32);
         _tile_release();
     }
     free(a);
     return 0;
+}
+
+int tandem_amx_linear(const float *x, int64_t M, int64_t K, const uint16_t *wp, int64_t N,
+                      const float *bias, float *out, int round_output) {
+    const tandem_amx_epilogue e = {bias, out, M, N, N, round_output ? TANDEM_AMX_ROUND : TANDEM_AMX_RAW};
+    return tandem_amx_run(x, M, K, wp, ((N + 15) / 16 + 1) / 2, &e);
+}
+
+/* out [M, inter] = silu(bf16(x Wg^T + bg)) * bf16(x Wu^T + bu) with the gate|up weight
+ * [2 inter, K] packed by tandem_amx_pack_linear (inter a multiple of 16): the values
+ * tandem_amx_linear then tandem_silu_mul_f32 give, the product not written out. */
+int tandem_amx_gate_up_silu(const float *x, int64_t M, int64_t K, const uint16_t *wp,
+                            int64_t inter, const float *bias, float *out) {
+    if (inter % 16 != 0) return -3;
+    const tandem_amx_epilogue e = {bias, out, M, inter, inter, TANDEM_AMX_SILU};
+    return tandem_amx_run(x, M, K, wp, inter / 16, &e);
 }
 
 #else  /* no AMX-BF16: never called (tandem_amx_linear_supported says no) */
@@ -133,6 +194,10 @@ int tandem_amx_linear_supported(void) { return 0; }
 void tandem_amx_pack_linear(const uint16_t *w, uint16_t *wp, int64_t N, int64_t K) {}
 int tandem_amx_linear(const float *x, int64_t M, int64_t K, const uint16_t *wp, int64_t N,
                       const float *bias, float *out, int round_output) {
+    return -2;
+}
+int tandem_amx_gate_up_silu(const float *x, int64_t M, int64_t K, const uint16_t *wp,
+                            int64_t inter, const float *bias, float *out) {
     return -2;
 }
 #endif
