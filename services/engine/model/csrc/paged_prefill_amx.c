@@ -37,6 +37,7 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
     defined(__AVX512BW__)
 #include "amx_attention.h"
+#include "vexp512.h"
 #include "prefill_tasks.h"
 
 int tandem_paged_prefill_amx_supported(int64_t head_dim) {
@@ -48,7 +49,6 @@ int tandem_paged_prefill_amx_supported(int64_t head_dim) {
  * A degree-4 fit of 2^f on [-1/2, 1/2], scaled by 2^n. */
 static inline __m512 tandem_amx_exp2(__m512 x) {
     const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.f), _CMP_GE_OQ);
-    x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(x, n);
     __m512 p = _mm512_set1_ps(0.009560519829392433f);
@@ -56,7 +56,7 @@ static inline __m512 tandem_amx_exp2(__m512 x) {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24024981260299683f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931219696998596f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999991655349731f));
-    return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
+    return _mm512_maskz_scalef_ps(live, p, n);  /* lanes below -126 (or -inf, NaN above) zero */
 }
 
 /* Online softmax of the block's 16 rows over keys k0 .. k0 + 16 nv - 1: P (bf16) from S,
@@ -67,7 +67,7 @@ static inline void tandem_amx_softmax(float *s, uint16_t *p, float *o, float *mx
                                       int64_t window, float scale, int64_t D) {
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    float base[ARB];
+    float base[ARB], now[ARB], alpha[ARB];
     for (int r = 0; r < ARB; ++r) {
         float *sr = s + r * AKT;
         __m512 top[2] = {ninf, ninf};
@@ -84,27 +84,35 @@ static inline void tandem_amx_softmax(float *s, uint16_t *p, float *o, float *mx
             }
             top[c & 1] = _mm512_max_ps(top[c & 1], v);
         }
-        const float now = fmaxf(mx[r], _mm512_reduce_max_ps(_mm512_max_ps(top[0], top[1])));
-        base[r] = now == -INFINITY ? 0.f : now;
-        const float alpha = mx[r] == -INFINITY ? 0.f : expf((mx[r] - base[r]) * scale);
-        mx[r] = now;
-        l[r] *= alpha;
-        if (alpha != 1.f) {
-            const __m512 a = _mm512_set1_ps(alpha);
+        now[r] = _mm512_reduce_max_ps(_mm512_max_ps(top[0], top[1]));
+    }
+    {   /* the rows' new max and base, and the factor moving each row's O and sum on */
+        const __m512 old = _mm512_loadu_ps(mx), m = _mm512_max_ps(old, _mm512_loadu_ps(now));
+        const __m512 bs = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m, ninf, _CMP_NEQ_OQ), m);
+        const __m512 a = tandem_exp512(_mm512_mul_ps(_mm512_sub_ps(old, bs), _mm512_set1_ps(scale)));
+        _mm512_storeu_ps(mx, m);
+        _mm512_storeu_ps(base, bs);
+        _mm512_storeu_ps(alpha, a);
+        _mm512_storeu_ps(l, _mm512_mul_ps(_mm512_loadu_ps(l), a));
+    }
+    for (int r = 0; r < ARB; ++r)
+        if (alpha[r] != 1.f) {
+            const __m512 a = _mm512_set1_ps(alpha[r]);
             for (int64_t d = 0; d < D; d += 16)
                 _mm512_storeu_ps(o + r * D + d, _mm512_mul_ps(a, _mm512_loadu_ps(o + r * D + d)));
         }
-    }
     const float log2e = 1.44269504088896341f;
     const __m512 sc2 = _mm512_set1_ps(scale * log2e);
     for (int r = 0; r < ARB; ++r) {  /* exp((s - max) scale) = 2^((s - max) scale log2 e) */
         const float *sr = s + r * AKT;
         const __m512 b = _mm512_set1_ps(base[r] * scale * log2e);
         __m512 sum[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-        for (int64_t c = 0; c < nv; ++c) {
-            const __m512 e = tandem_amx_exp2(_mm512_fmsub_ps(_mm512_loadu_ps(sr + 16 * c), sc2, b));
-            sum[c & 1] = _mm512_add_ps(sum[c & 1], e);
-            _mm256_storeu_si256((__m256i *)(p + r * AKT + 16 * c), (__m256i)_mm512_cvtneps_pbh(e));
+        for (int64_t c = 0; c < nv; c += 2) {  /* nv is even */
+            const __m512 e0 = tandem_amx_exp2(_mm512_fmsub_ps(_mm512_loadu_ps(sr + 16 * c), sc2, b));
+            const __m512 e1 = tandem_amx_exp2(_mm512_fmsub_ps(_mm512_loadu_ps(sr + 16 * c + 16), sc2, b));
+            sum[0] = _mm512_add_ps(sum[0], e0);
+            sum[1] = _mm512_add_ps(sum[1], e1);
+            _mm512_storeu_si512(p + r * AKT + 16 * c, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
         }
         l[r] += _mm512_reduce_add_ps(_mm512_add_ps(sum[0], sum[1]));
     }
