@@ -130,6 +130,37 @@ def test_rope_in_place_is_bit_identical_to_torch():
     assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 300])
+def test_store_kv_writes_what_index_copy_of_the_cast_rows_writes(dtype, rows):
+    gen = torch.Generator().manual_seed(rows)
+    qkv = torch.randn(rows, (6 + 2 * 2) * 32, generator=gen) * 50
+    qkv[0, 200:204] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1 + 2 ** -8])  # a tie
+    k, v = qkv[:, 192:256].view(rows, 2, 32), qkv[:, 256:].view(rows, 2, 32)  # strided rows
+    slots = torch.randperm(40 * 16, generator=gen)[:rows]
+    want_k, want_v = (torch.zeros(40, 16, 2, 32, dtype=dtype) for _ in range(2))
+    want_k.view(-1, 2, 32).index_copy_(0, slots, k.to(dtype))
+    want_v.view(-1, 2, 32).index_copy_(0, slots, v.to(dtype))
+    got_k, got_v = torch.zeros_like(want_k), torch.zeros_like(want_v)
+    kernels.store_kv(k, v, got_k, got_v, slots)
+    nan = want_k.isnan()
+    assert torch.equal(got_k.isnan(), nan)  # a NaN stays a NaN (its payload may differ)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(got_k.view(bits)[~nan], want_k.view(bits)[~nan])
+    assert torch.equal(got_v.view(bits), want_v.view(bits))
+
+
+def test_store_kv_refuses_slots_outside_the_cache_and_shapes_that_do_not_fit():
+    k = v = torch.randn(2, 2, 32)
+    cache = torch.zeros(4, 16, 2, 32)
+    for bad in ([0, 64], [-1, 3]):
+        with pytest.raises(ValueError, match="outside the cache"):
+            kernels.store_kv(k, v, cache, cache.clone(), torch.tensor(bad))
+    with pytest.raises(ValueError, match="do not fit"):
+        kernels.store_kv(k, v, torch.zeros(4, 16, 1, 32), torch.zeros(4, 16, 1, 32), torch.tensor([0, 1]))
+    assert torch.count_nonzero(cache) == 0
+
+
 def test_silu_mul_matches_torch_over_a_wide_range():
     gate_up = torch.cat([torch.linspace(-100, 100, 4000).view(40, 100)] * 2, dim=1)
     gate_up[:, 100:] = torch.randn(40, 100)

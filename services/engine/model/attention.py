@@ -125,9 +125,12 @@ class TorchPagedAttention:
                  k_cache: torch.Tensor, v_cache: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         native = self.kernels is not None  # installed only on a CPU model with fp32 activations
+        if native:
+            self.kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        else:
+            k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+            v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         decode = None if native else meta.decode_group()
         if decode is not None:
             return self._group(q, k_cache, v_cache, decode)[:, 0]  # pure decode step

@@ -97,17 +97,6 @@ static int linear(const tandem_stack *s, const float *x, int64_t m, int64_t k, c
     return 0;
 }
 
-/* Row m's new K (or V) of kv_size values into its cache slot. */
-static void store_kv(const tandem_stack *s, void *cache, int64_t slot, const float *src,
-                     int64_t kv_size) {
-    if (s->kv_bf16) {
-        uint16_t *dst = (uint16_t *)cache + slot * kv_size;
-        for (int64_t i = 0; i < kv_size; ++i) dst[i] = tandem_round_bf16(src[i]);
-    } else {
-        memcpy((float *)cache + slot * kv_size, src, (size_t)kv_size * sizeof(float));
-    }
-}
-
 int tandem_decode_stack(const tandem_stack *s, const int64_t *ids, float *x, float *out, int64_t m,
                         const int64_t *positions, const int64_t *slots,
                         const int64_t *token_rows, const int64_t *last_pos,
@@ -166,8 +155,9 @@ int tandem_decode_stack(const tandem_stack *s, const int64_t *ids, float *x, flo
         tandem_rope_f32(qkv, qkv_width, s->heads, qkv + q_size, qkv_width, s->kv_heads, s->cos,
                         s->sin, positions, m, d);
         for (int64_t r = 0; r < m; ++r) {
-            store_kv(s, k_cache, slots[r], qkv + r * qkv_width + q_size, kv_size);
-            store_kv(s, v_cache, slots[r], qkv + r * qkv_width + q_size + kv_size, kv_size);
+            tandem_store_kv_row(k_cache, s->kv_bf16, slots[r], qkv + r * qkv_width + q_size, kv_size);
+            tandem_store_kv_row(v_cache, s->kv_bf16, slots[r], qkv + r * qkv_width + q_size + kv_size,
+                                kv_size);
         }
         rc = s->kv_bf16
                   ? tandem_paged_decode_bf16(qkv, qkv_width, attn, token_rows,

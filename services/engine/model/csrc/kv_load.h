@@ -26,6 +26,18 @@ static inline uint16_t tandem_round_bf16(float f) {
     return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
+/* One token's n K (or V) values into cache slot ``slot`` of a cache of n values a slot:
+ * copied (fp32) or rounded as torch rounds them (bf16). */
+static inline void tandem_store_kv_row(void *cache, int bf16, int64_t slot, const float *src,
+                                       int64_t n) {
+    if (bf16) {
+        uint16_t *dst = (uint16_t *)cache + slot * n;
+        for (int64_t i = 0; i < n; ++i) dst[i] = tandem_round_bf16(src[i]);
+    } else {
+        memcpy((float *)cache + slot * n, src, (size_t)n * sizeof(float));
+    }
+}
+
 #if defined(__AVX2__)
 static inline __m256 tandem_load8_f32(const float *p) { return _mm256_loadu_ps(p); }
 
