@@ -43,6 +43,7 @@ class AmxLinearKernels:
                             _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, ctypes.c_int)
         self._gate_up_silu = bind(lib, "tandem_amx_gate_up_silu", ctypes.c_int,
                                   _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr)
+        self._fuses_gate_up = bind(lib, "tandem_amx_fuses_gate_up", ctypes.c_int, _i64)
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """``weight [N, K]`` bf16 -> its packed copy, flat (``packed_numel(N, K)`` elements)."""
@@ -62,11 +63,10 @@ class AmxLinearKernels:
                                     int(round_output)))
         return out
 
-    @staticmethod
-    def fuses_gate_up(n_out: int) -> bool:
-        """Whether a gate|up product of ``n_out`` outputs can run as ``gate_up_silu``: its
-        gate and up halves start on 16-output blocks."""
-        return n_out % 32 == 0
+    def fuses_gate_up(self, n_out: int) -> bool:
+        """Whether a gate|up product of ``n_out`` outputs can run as ``gate_up_silu`` (the
+        kernel's rule, which the decode stack follows too: halves on 16-output blocks)."""
+        return n_out % 2 == 0 and bool(self._fuses_gate_up(n_out // 2))
 
     def gate_up_silu(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
                      n_out: int) -> torch.Tensor:

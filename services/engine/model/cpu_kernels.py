@@ -109,7 +109,8 @@ class CpuKernels:
                  v_cache: torch.Tensor, slots: torch.Tensor) -> None:
         """Row ``t`` of ``k, v [T, KVH, D]`` (fp32, rows may be strided) into slot ``slots[t]``
         of ``k_cache, v_cache [blocks, block_size, KVH, D]``, rounded to bf16 as torch rounds
-        for a bf16 cache: what ``index_copy_`` of ``k.to(cache dtype)`` writes, in one pass."""
+        for a bf16 cache: what ``index_copy_`` of ``k.to(cache dtype)`` writes (a NaN's payload
+        aside), in one pass."""
         _check_dense_heads(k, v)
         _check_kv(k_cache, v_cache)
         _check_indices(slots)

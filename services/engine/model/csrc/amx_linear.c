@@ -27,6 +27,10 @@
 #include "silu.h"
 #include "team.h"
 
+/* Whether a gate|up product of 2 inter outputs can end in its SiLU·mul here: each half
+ * starts on a 16-output block. */
+int tandem_amx_fuses_gate_up(int64_t inter) { return inter > 0 && inter % 16 == 0; }
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
     defined(__AVX512BW__)
 #include "amx_tiles.h"
@@ -184,7 +188,7 @@ int tandem_amx_linear(const float *x, int64_t M, int64_t K, const uint16_t *wp, 
  * tandem_amx_linear then tandem_silu_mul_f32 give, the product not written out. */
 int tandem_amx_gate_up_silu(const float *x, int64_t M, int64_t K, const uint16_t *wp,
                             int64_t inter, const float *bias, float *out) {
-    if (inter % 16 != 0) return -3;
+    if (!tandem_amx_fuses_gate_up(inter)) return -3;
     const tandem_amx_epilogue e = {bias, out, M, inter, inter, TANDEM_AMX_SILU};
     return tandem_amx_run(x, M, K, wp, inter / 16, &e);
 }

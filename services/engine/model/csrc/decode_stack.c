@@ -173,7 +173,7 @@ int tandem_decode_stack(const tandem_stack *s, const int64_t *ids, float *x, flo
         if (rc != 0) break; /* its scratch could not be allocated */
         if ((rc = linear(s, attn, m, q_size, L->o, L->o_bias, L->o_scale, o, hidden, tmp)) != 0) break;
         tandem_add_rms_norm_f32(x, o, h, L->post_norm, m, hidden, s->eps);
-        if (s->weights == TANDEM_WEIGHTS_AMX && inter % 16 == 0) {  /* SiLU·mul in the product */
+        if (s->weights == TANDEM_WEIGHTS_AMX && tandem_amx_fuses_gate_up(inter)) {  /* SiLU·mul in the product */
             if ((rc = tandem_amx_gate_up_silu(h, m, hidden, (const uint16_t *)L->gate_up,
                                               inter, L->gate_up_bias, act) == 0 ? 0 : -1) != 0) break;
         } else {

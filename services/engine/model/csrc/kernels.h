@@ -34,6 +34,7 @@ void tandem_int8_linear_f32(const float *x, const int8_t *packed, const float *s
 /* amx_linear.c (returns -2 where the CPU or the process has no AMX tiles) */
 int tandem_amx_linear(const float *x, int64_t M, int64_t K, const uint16_t *wp, int64_t N,
                       const float *bias, float *out, int round_output);
+int tandem_amx_fuses_gate_up(int64_t inter);
 int tandem_amx_gate_up_silu(const float *x, int64_t M, int64_t K, const uint16_t *wp,
                             int64_t inter, const float *bias, float *out);
 
