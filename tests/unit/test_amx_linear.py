@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.model import amx_linear, onednn
+from services.engine.model import amx_linear, cpu_kernels, onednn
 from services.engine.model.config import ModelConfig
 from services.engine.model.llama import LlamaModel
 from services.engine.model.onednn import AMX, CpuLinear
@@ -108,8 +108,6 @@ def test_a_row_gives_the_same_bits_alone_and_in_any_batch():
 @pytest.mark.parametrize("inter,k", [(16, 31), (48, 64), (1536, 576), (96, 1536)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_fused_gate_up_silu_is_bit_identical_to_the_product_then_silu_mul(inter, k, bias):
-    from services.engine.model import cpu_kernels
-
     gen = torch.Generator().manual_seed(inter + k)
     w = torch.randn(2 * inter, k, generator=gen).bfloat16()
     b = torch.randn(2 * inter, generator=gen) if bias else None
@@ -119,25 +117,36 @@ def test_the_fused_gate_up_silu_is_bit_identical_to_the_product_then_silu_mul(in
         want = cpu_kernels.load().silu_mul(kernels.linear(x, packed, b, 2 * inter))
         assert torch.equal(kernels.gate_up_silu(x, packed, b, 2 * inter), want), rows
     assert kernels.gate_up_silu(x[:0], packed, b, 2 * inter).shape == (0, inter)
-    assert not kernels.fuses_gate_up(2 * inter - 16)
+    assert kernels.fuses_gate_up(2 * inter)
+    assert not any(kernels.fuses_gate_up(n) for n in (2 * inter - 16, 2 * inter + 1, 0))
     with pytest.raises(ValueError, match="16-output blocks"):
         kernels.gate_up_silu(x, kernels.pack(w[:2 * inter - 16]), None, 2 * inter - 16)
 
 
-def test_every_row_of_a_long_prompt_is_written_once_and_right():
+@pytest.mark.parametrize("threads", [1, 3, 5])
+def test_every_row_of_a_long_prompt_is_written_once_and_right(threads):
     """Blocks are written out while the next item computes, a few rows per step over K:
-    every row of every block, across L2 panels and threads, lands where it belongs."""
+    every row of every block, across L2 panels and uneven splits over threads, lands where
+    it belongs."""
     gen = torch.Generator().manual_seed(5)
-    for n, k in ((960, 576), (80, 32), (576, 1536)):
-        w, b = torch.randn(n, k, generator=gen).bfloat16(), torch.randn(n, generator=gen)
-        packed = kernels.pack(w)
-        x = torch.randn(1100, k, generator=gen)
-        batch = kernels.linear(x, packed, b, n)
-        rows = torch.cat([kernels.linear(x[r:r + 100].clone(), packed, b, n) for r in range(0, 1100, 100)])
-        assert torch.equal(batch, rows)
-        ref = _reference(x, w, b)
-        step = torch.finfo(torch.bfloat16).eps * ref.abs().clamp_min(1e-3)
-        assert ((batch - ref).abs() <= step).all()
+    before = torch.get_num_threads()
+    try:
+        for n, k in ((960, 576), (80, 32), (576, 1536), (96, 64)):  # all but the second fused
+            w, b = torch.randn(n, k, generator=gen).bfloat16(), torch.randn(n, generator=gen)
+            packed = kernels.pack(w)
+            x = torch.randn(1100, k, generator=gen)
+            torch.set_num_threads(threads)
+            batch = kernels.linear(x, packed, b, n)
+            fused = kernels.gate_up_silu(x, packed, b, n) if kernels.fuses_gate_up(n) else None
+            torch.set_num_threads(before)
+            rows = torch.cat([kernels.linear(x[r:r + 100].clone(), packed, b, n) for r in range(0, 1100, 100)])
+            assert torch.equal(batch, rows)
+            assert fused is None or torch.equal(fused, cpu_kernels.load().silu_mul(rows))
+            ref = _reference(x, w, b)
+            step = torch.finfo(torch.bfloat16).eps * ref.abs().clamp_min(1e-3)
+            assert ((batch - ref).abs() <= step).all()
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_it_refuses_what_it_cannot_compute():

@@ -135,7 +135,8 @@ def test_rope_in_place_is_bit_identical_to_torch():
 def test_store_kv_writes_what_index_copy_of_the_cast_rows_writes(dtype, rows):
     gen = torch.Generator().manual_seed(rows)
     qkv = torch.randn(rows, (6 + 2 * 2) * 32, generator=gen) * 50
-    qkv[0, 200:204] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1 + 2 ** -8])  # a tie
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 1 + 2 ** -8])  # and a tie
+    qkv[0, 200:204] = qkv[-1, 300:304] = specials  # in k and in v
     k, v = qkv[:, 192:256].view(rows, 2, 32), qkv[:, 256:].view(rows, 2, 32)  # strided rows
     slots = torch.randperm(40 * 16, generator=gen)[:rows]
     want_k, want_v = (torch.zeros(40, 16, 2, 32, dtype=dtype) for _ in range(2))
@@ -147,7 +148,9 @@ def test_store_kv_writes_what_index_copy_of_the_cast_rows_writes(dtype, rows):
     assert torch.equal(got_k.isnan(), nan)  # a NaN stays a NaN (its payload may differ)
     bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
     assert torch.equal(got_k.view(bits)[~nan], want_k.view(bits)[~nan])
-    assert torch.equal(got_v.view(bits), want_v.view(bits))
+    nan = want_v.isnan()
+    assert torch.equal(got_v.isnan(), nan) and nan.any()
+    assert torch.equal(got_v.view(bits)[~nan], want_v.view(bits)[~nan])
 
 
 def test_store_kv_refuses_slots_outside_the_cache_and_shapes_that_do_not_fit():
@@ -158,6 +161,10 @@ def test_store_kv_refuses_slots_outside_the_cache_and_shapes_that_do_not_fit():
             kernels.store_kv(k, v, cache, cache.clone(), torch.tensor(bad))
     with pytest.raises(ValueError, match="do not fit"):
         kernels.store_kv(k, v, torch.zeros(4, 16, 1, 32), torch.zeros(4, 16, 1, 32), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="do not fit"):  # a smaller v cache is not written past its end
+        kernels.store_kv(k, v, cache, torch.zeros(2, 16, 2, 32), torch.tensor([0, 40]))
+    with pytest.raises(ValueError, match="dense heads"):
+        kernels.store_kv(k.transpose(1, 2), v, cache, cache.clone(), torch.tensor([0, 1]))
     assert torch.count_nonzero(cache) == 0
 
 

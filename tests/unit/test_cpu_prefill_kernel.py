@@ -147,6 +147,26 @@ def test_the_amx_kernel_matches_gather_and_sdpa_within_bf16_rounding(heads, kv_h
 
 
 @needs_amx
+@pytest.mark.parametrize("window", [None, 100])
+def test_the_amx_kernel_gives_a_prompt_row_the_same_bits_whatever_chunk_it_falls_in(window):
+    """A prompt of 600 tokens (three key tiles) at once, and cut in chunks of 1, 100, 263
+    and 236 rows at their positions (the cache already holding the keys before each):
+    every row's output bits alike, so the rows' running max, rescaling and masking do not
+    depend on which rows share a 16-row block."""
+    q, k_cache, v_cache, table, first_rows = _case(9, 3, 64, torch.bfloat16, 16, [0], [600], seed=7)
+    whole = torch.full_like(q, float("nan"))
+    kernels.paged_prefill(q, whole, first_rows, torch.tensor([0]), torch.tensor([600]), k_cache,
+                          v_cache, table, window, 0.125, amx=True)
+    cut = torch.full_like(q, float("nan"))
+    start = 0
+    for n in (1, 100, 263, 236):
+        kernels.paged_prefill(q, cut, first_rows + start, torch.tensor([start]), torch.tensor([n]),
+                              k_cache, v_cache, table, window, 0.125, amx=True)
+        start += n
+    assert torch.equal(cut[1:-1], whole[1:-1])
+
+
+@needs_amx
 def test_the_amx_kernel_refuses_what_it_cannot_compute():
     assert kernels.prefill_supported(32, amx=True) and not kernels.prefill_supported(80, amx=True)
     one, eight = torch.tensor([0]), torch.tensor([8])

@@ -5,11 +5,14 @@ tile product's pair-interleaved layout. A call rounds its fp32 input to bf16, ac
 in fp32 on the tiles and rounds each output (bias added) to bf16, returned as fp32: the
 values oneDNN's bf16 product gives, up to the order of the fp32 sums. Each output is the
 same accumulation whatever the batch, so a row's result does not depend on its batch.
-An LM head is packed here whatever the layers' layout and returns its fp32 sums unrounded
-(``onednn.head_layout``); a tied one is stored once, the embedding lookup reading its rows
-from the packed weight (``AmxEmbedding``). Over SmolLM2-135M's shapes on 2 threads of an Intel Xeon with AMX it is 1.0-1.8x oneDNN's
-blocked bf16 product with its input and output conversions at 256-1,024 rows (gate|up at
-1,024 rows level with it) and 1.75-2.6x at 32 (services/bench/RESULTS.md).
+An MLP's gate|up product can end in its SiLU·mul (``gate_up_silu``), the product never
+written out. An LM head is packed here whatever the layers' layout and returns its fp32 sums
+unrounded (``onednn.head_layout``); a tied one is stored once, the embedding lookup reading
+its rows from the packed weight (``AmxEmbedding``). Over SmolLM2-135M's shapes on 2 threads
+of an Intel Xeon with AMX it was 1.0-1.8x oneDNN's blocked bf16 product with its input and
+output conversions at 256-1,024 rows (gate|up at 1,024 rows level with it) and 1.75-2.6x at
+32, and has since gained 1.13-1.18x, gate|up with its SiLU·mul 1.18-1.7x
+(services/bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -94,8 +97,14 @@ class AmxLinearKernels:
 
     @staticmethod
     def _done(rc: int) -> None:
-        if rc != 0:
+        """The kernel's return code: 0, -1 (no memory for the bf16 input), -2 (no AMX tiles
+        for this process), -3 (a shape it does not take)."""
+        if rc == -1:
             raise MemoryError("the AMX linear could not allocate its bf16 input")
+        if rc == -2:
+            raise RuntimeError("the AMX linear has no AMX tiles in this process")
+        if rc != 0:
+            raise ValueError(f"the AMX linear refused its operands' shapes (code {rc})")
 
 
 class AmxEmbedding(nn.Module):

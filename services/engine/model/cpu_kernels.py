@@ -65,8 +65,8 @@ class CpuKernels:
         self._rope = lib.tandem_rope_f32
         self._rope.restype = None
         self._rope.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64]
-        self._store_kv = bind(lib, "tandem_store_kv", None, _ptr, _i64, _ptr, _i64, _i64, _i64,
-                              _ptr, _ptr, _ptr, ctypes.c_int)
+        self._store_kv = bind(lib, "tandem_store_kv", ctypes.c_int, _ptr, _i64, _ptr, _i64, _i64,
+                              _i64, _ptr, _i64, _ptr, _ptr, ctypes.c_int)
         self._silu_mul = {}
         for dtype, name in _KV_DTYPES.items():
             fn = self._silu_mul[dtype] = getattr(lib, f"tandem_silu_mul_{name}")
@@ -110,22 +110,22 @@ class CpuKernels:
         """Row ``t`` of ``k, v [T, KVH, D]`` (fp32, rows may be strided) into slot ``slots[t]``
         of ``k_cache, v_cache [blocks, block_size, KVH, D]``, rounded to bf16 as torch rounds
         for a bf16 cache: what ``index_copy_`` of ``k.to(cache dtype)`` writes (a NaN's payload
-        aside), in one pass."""
+        aside), in one pass. Slots are distinct; one outside the cache (a negative one too)
+        is refused before anything is written."""
         _check_dense_heads(k, v)
         _check_kv(k_cache, v_cache)
         _check_indices(slots)
         rows, kv_heads, head_dim = k.shape
-        num_slots = k_cache.shape[0] * k_cache.shape[1]
-        if v.shape != k.shape or k_cache.shape[2:] != (kv_heads, head_dim) \
-                or slots.shape != (rows,):
+        if v.shape != k.shape or v_cache.shape != k_cache.shape \
+                or k_cache.shape[2:] != (kv_heads, head_dim) or slots.shape != (rows,):
             raise ValueError(f"store_kv: k {tuple(k.shape)}, v {tuple(v.shape)}, caches "
-                             f"{tuple(k_cache.shape)}, {tuple(slots.shape)} slots do not fit")
-        if rows and (int(slots.min()) < 0 or int(slots.max()) >= num_slots):
+                             f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}, "
+                             f"{tuple(slots.shape)} slots do not fit")
+        num_slots = k_cache.shape[0] * k_cache.shape[1]
+        if self._store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), rows,
+                          kv_heads * head_dim, slots.data_ptr(), num_slots, k_cache.data_ptr(),
+                          v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16)) != 0:
             raise ValueError(f"store_kv: a slot outside the cache's {num_slots}")
-        if rows:
-            self._store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), rows,
-                           kv_heads * head_dim, slots.data_ptr(), k_cache.data_ptr(),
-                           v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16))
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` of a fused ``[T, 2I]`` projection, as ``[T, I]``, fp32 or

@@ -20,10 +20,8 @@
 #define _GNU_SOURCE  /* syscall() in amx_tiles.h */
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "kernels.h"
-#include "kv_load.h"
 #include "silu.h"
 #include "team.h"
 
@@ -109,6 +107,8 @@ static inline void tandem_amx_store_rows(const float *c, const tandem_amx_epilog
 static int tandem_amx_run(const float *x, int64_t M, int64_t K, const uint16_t *wp,
                           int64_t npairs, const tandem_amx_epilogue *e) {
     if (!tandem_amx_permitted()) return -2;
+    if (K < 1) return -3;
+    if (M == 0) return 0;
     const int silu = e->mode == TANDEM_AMX_SILU;
     const int64_t Kb = (K + 31) / 32, Kp = Kb * 32, Mp = (M + 31) / 32 * 32;
     int64_t panel = A_PANEL_BYTES / (Kp * 2) / 32;  /* 32-row blocks a panel */
@@ -136,7 +136,7 @@ static int tandem_amx_run(const float *x, int64_t M, int64_t K, const uint16_t *
         float c[32 * 32] __attribute__((aligned(64)));
         int64_t prev_m0 = -1, prev_n0 = 0;  /* the block in c not yet stored */
         tandem_amx_configure();
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait  /* a thread's last block goes out as others compute */
         for (int64_t it = 0; it < items; ++it) {
             /* panel p0 .. p0 + pn - 1 of the row blocks, then output pair, then row block */
             const int64_t p0 = it / (panel * npairs) * panel;

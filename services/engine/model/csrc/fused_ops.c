@@ -4,7 +4,6 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
-#include <string.h>
 
 #include "kernels.h"
 #include "kv_load.h"
@@ -56,15 +55,20 @@ void tandem_rope_f32(float *q, int64_t q_stride, int64_t nq, float *k, int64_t k
 }
 
 /* Rows' new K and V into their cache slots: row t's k (k + t * k_stride, width values)
- * into slot slots[t] of k_cache, its v likewise; copied, or rounded to bf16 when ``bf16``. */
-void tandem_store_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
-                     int64_t rows, int64_t width, const int64_t *slots, void *k_cache,
-                     void *v_cache, int bf16) {
+ * into slot slots[t] of k_cache, its v likewise; copied, or rounded to bf16 when ``bf16``.
+ * Slots are distinct and in 0 .. num_slots - 1; returns -1, writing nothing, if one is not
+ * in range. */
+int tandem_store_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                    int64_t rows, int64_t width, const int64_t *slots, int64_t num_slots,
+                    void *k_cache, void *v_cache, int bf16) {
+    for (int64_t t = 0; t < rows; ++t)
+        if (slots[t] < 0 || slots[t] >= num_slots) return -1;
 #pragma omp parallel for num_threads(tandem_team(rows / 64 + 1)) schedule(static)
     for (int64_t t = 0; t < rows; ++t) {
         tandem_store_kv_row(k_cache, bf16, slots[t], k + t * k_stride, width);
         tandem_store_kv_row(v_cache, bf16, slots[t], v + t * v_stride, width);
     }
+    return 0;
 }
 
 static inline float tandem_store_f32(float f) { return f; }

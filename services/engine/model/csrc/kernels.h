@@ -10,9 +10,9 @@
 /* fused_ops.c */
 void tandem_add_rms_norm_f32(float *x, const float *delta, float *out, const float *w,
                              int64_t rows, int64_t dim, float eps);
-void tandem_store_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
-                     int64_t rows, int64_t width, const int64_t *slots, void *k_cache,
-                     void *v_cache, int bf16);
+int tandem_store_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                    int64_t rows, int64_t width, const int64_t *slots, int64_t num_slots,
+                    void *k_cache, void *v_cache, int bf16);
 void tandem_rope_f32(float *q, int64_t q_stride, int64_t nq, float *k, int64_t k_stride,
                      int64_t nk, const float *cos_t, const float *sin_t,
                      const int64_t *positions, int64_t rows, int64_t head_dim);

@@ -1,6 +1,6 @@
 /* KV cache element types: fp32 as is, bf16 widened to fp32 (its top 16 bits); one
- * element, or 8 (AVX2) or 16 (AVX-512) consecutive elements as a vector; and fp32 rounded
- * to bf16. */
+ * element, or 8 (AVX2) or 16 (AVX-512) consecutive elements as a vector; fp32 rounded
+ * to bf16; and one token's K or V row stored into its cache slot in either type. */
 #ifndef TANDEM_KV_LOAD_H
 #define TANDEM_KV_LOAD_H
 #include <stdint.h>

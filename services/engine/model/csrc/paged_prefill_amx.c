@@ -87,7 +87,8 @@ static inline void tandem_amx_softmax(float *s, uint16_t *p, float *o, float *mx
         now[r] = _mm512_reduce_max_ps(_mm512_max_ps(top[0], top[1]));
     }
     {   /* the rows' new max and base, and the factor moving each row's O and sum on */
-        const __m512 old = _mm512_loadu_ps(mx), m = _mm512_max_ps(old, _mm512_loadu_ps(now));
+        /* max(now, old): a NaN in now leaves old (MAXPS returns its second operand then) */
+        const __m512 old = _mm512_loadu_ps(mx), m = _mm512_max_ps(_mm512_loadu_ps(now), old);
         const __m512 bs = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m, ninf, _CMP_NEQ_OQ), m);
         const __m512 a = tandem_exp512(_mm512_mul_ps(_mm512_sub_ps(old, bs), _mm512_set1_ps(scale)));
         _mm512_storeu_ps(mx, m);
