@@ -123,6 +123,26 @@ def test_the_fused_gate_up_silu_is_bit_identical_to_the_product_then_silu_mul(in
         kernels.gate_up_silu(x, kernels.pack(w[:2 * inter - 16]), None, 2 * inter - 16)
 
 
+@pytest.mark.parametrize("inter,hidden", [(48, 64), (1536, 576), (32, 40), (80, 96)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_an_mlp_in_one_call_is_bit_identical_to_its_three_steps(inter, hidden, bias):
+    """gate|up with its SiLU·mul, then down: inter 48 and 80 leave half a 32-input block of
+    the down product's input, which must read as zeros, not as whatever was in memory."""
+    gen = torch.Generator().manual_seed(inter * hidden)
+    wgu = torch.randn(2 * inter, hidden, generator=gen).bfloat16()
+    wd = torch.randn(hidden, inter, generator=gen).bfloat16()
+    bgu, bd = (torch.randn(2 * inter, generator=gen), torch.randn(hidden, generator=gen)) if bias \
+        else (None, None)
+    pgu, pd = kernels.pack(wgu), kernels.pack(wd)
+    for rows in (1, 7, 33, 300):
+        x = torch.randn(rows, hidden, generator=gen)
+        want = kernels.linear(kernels.gate_up_silu(x, pgu, bgu, 2 * inter), pd, bd, hidden)
+        assert torch.equal(kernels.mlp(x, pgu, bgu, 2 * inter, pd, bd, hidden), want), rows
+    assert kernels.mlp(x[:0], pgu, bgu, 2 * inter, pd, bd, hidden).shape == (0, hidden)
+    with pytest.raises(ValueError, match="do not fit"):
+        kernels.mlp(x, pgu, bgu, 2 * inter, pgu, None, hidden)
+
+
 @pytest.mark.parametrize("threads", [1, 3, 5])
 def test_every_row_of_a_long_prompt_is_written_once_and_right(threads):
     """Blocks are written out while the next item computes, a few rows per step over K:

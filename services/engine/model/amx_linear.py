@@ -6,7 +6,8 @@ in fp32 on the tiles and rounds each output (bias added) to bf16, returned as fp
 values oneDNN's bf16 product gives, up to the order of the fp32 sums. Each output is the
 same accumulation whatever the batch, so a row's result does not depend on its batch.
 An MLP's gate|up product can end in its SiLU·mul (``gate_up_silu``), the product never
-written out. An LM head is packed here whatever the layers' layout and returns its fp32 sums
+written out, and a whole MLP run in one call (``mlp``: the SiLU·mul kept in bf16 as the down
+product's input). An LM head is packed here whatever the layers' layout and returns its fp32 sums
 unrounded (``onednn.head_layout``); a tied one is stored once, the embedding lookup reading
 its rows from the packed weight (``AmxEmbedding``). Over SmolLM2-135M's shapes on 2 threads
 of an Intel Xeon with AMX it was 1.0-1.8x oneDNN's blocked bf16 product with its input and
@@ -47,6 +48,8 @@ class AmxLinearKernels:
         self._gate_up_silu = bind(lib, "tandem_amx_gate_up_silu", ctypes.c_int,
                                   _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr)
         self._fuses_gate_up = bind(lib, "tandem_amx_fuses_gate_up", ctypes.c_int, _i64)
+        self._mlp = bind(lib, "tandem_amx_mlp", ctypes.c_int,
+                         _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr)
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """``weight [N, K]`` bf16 -> its packed copy, flat (``packed_numel(N, K)`` elements)."""
@@ -84,6 +87,25 @@ class AmxLinearKernels:
             self._done(self._gate_up_silu(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(),
                                           n_out // 2, None if bias is None else bias.data_ptr(),
                                           out.data_ptr()))
+        return out
+
+    def mlp(self, x: torch.Tensor, gate_up: torch.Tensor, gate_up_bias: torch.Tensor | None,
+            n_gate_up: int, down: torch.Tensor, down_bias: torch.Tensor | None,
+            n_out: int) -> torch.Tensor:
+        """``down(silu(gate) * up)`` of ``x [M, K]`` -> ``[M, n_out]`` fp32, both weights packed
+        by ``pack`` (``down`` of ``n_gate_up / 2`` inputs): bit-identical to ``gate_up_silu``
+        then ``linear``, the SiLU·mul kept in bf16 inside the call as the down product's
+        input."""
+        if not self.fuses_gate_up(n_gate_up):
+            raise ValueError(f"gate|up fusion needs whole 16-output blocks per half, got {n_gate_up}")
+        self._check(x, gate_up, gate_up_bias, n_gate_up)
+        self._check(x.new_empty(0, n_gate_up // 2), down, down_bias, n_out)
+        out = x.new_empty(x.shape[0], n_out)
+        if x.shape[0]:
+            self._done(self._mlp(x.data_ptr(), x.shape[0], x.shape[1], gate_up.data_ptr(),
+                                 n_gate_up // 2, None if gate_up_bias is None else gate_up_bias.data_ptr(),
+                                 down.data_ptr(), n_out, None if down_bias is None else down_bias.data_ptr(),
+                                 out.data_ptr()))
         return out
 
     @staticmethod

@@ -65,10 +65,14 @@ class NativeLayerOps(TorchLayerOps):
         ``down`` would get from the widened product (it rounds its input to bf16 anyway), in
         half the memory traffic."""
         rows = h.shape[0]
-        if isinstance(gate_up, CpuLinear) and gate_up.packed is not None \
-                and gate_up.packed.fuses_gate_up(gate_up.out_features):  # SiLU·mul in the product
-            return down(gate_up.packed.gate_up_silu(h.contiguous(), gate_up.weight, gate_up.bias,
-                                                     gate_up.out_features))
+        packed = gate_up.packed if isinstance(gate_up, CpuLinear) else None
+        if packed is not None and packed.fuses_gate_up(gate_up.out_features):  # SiLU·mul in the product
+            if isinstance(down, CpuLinear) and down.packed is packed and hasattr(packed, "mlp") \
+                    and down.packed_options.get("round_output", True):  # the MLP in one call
+                return packed.mlp(h.contiguous(), gate_up.weight, gate_up.bias, gate_up.out_features,
+                                  down.weight, down.bias, down.out_features)
+            return down(packed.gate_up_silu(h.contiguous(), gate_up.weight, gate_up.bias,
+                                            gate_up.out_features))
         if isinstance(gate_up, CpuLinear) and isinstance(down, CpuLinear) \
                 and gate_up.weight.dtype == down.weight.dtype == torch.bfloat16 \
                 and gate_up.runs_on_onednn(rows) and down.runs_on_onednn(rows):

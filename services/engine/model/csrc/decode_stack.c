@@ -12,9 +12,8 @@
  *              RoPE on q, k; k, v into the cache     (tandem_rope_f32; a copy, or bf16 RNE)
  *              a = paged attention of q              (tandem_paged_decode_*)
  *              x += a @ Wo.T + b; h = RMSNorm(x)     (the same product, tandem_add_rms_norm_f32)
- *              delta = silu·mul(h @ Wgu.T + b) @ Wd.T + b (on AMX weights the first
- *                                                     product and silu·mul are one call,
- *                                                     tandem_amx_gate_up_silu: the same values)
+ *              delta = silu·mul(h @ Wgu.T + b) @ Wd.T + b (on AMX weights one call,
+ *                                                     tandem_amx_mlp: the same values)
  *   then       x += delta; out = RMSNorm(x)
  *
  * With bf16 weights each product's input and output are rounded to bf16 (and widened),
@@ -173,15 +172,17 @@ int tandem_decode_stack(const tandem_stack *s, const int64_t *ids, float *x, flo
         if (rc != 0) break; /* its scratch could not be allocated */
         if ((rc = linear(s, attn, m, q_size, L->o, L->o_bias, L->o_scale, o, hidden, tmp)) != 0) break;
         tandem_add_rms_norm_f32(x, o, h, L->post_norm, m, hidden, s->eps);
-        if (s->weights == TANDEM_WEIGHTS_AMX && tandem_amx_fuses_gate_up(inter)) {  /* SiLU·mul in the product */
-            if ((rc = tandem_amx_gate_up_silu(h, m, hidden, (const uint16_t *)L->gate_up,
-                                              inter, L->gate_up_bias, act) == 0 ? 0 : -1) != 0) break;
+        if (s->weights == TANDEM_WEIGHTS_AMX && tandem_amx_fuses_gate_up(inter)) {  /* one call */
+            if ((rc = tandem_amx_mlp(h, m, hidden, (const uint16_t *)L->gate_up, inter,
+                                     L->gate_up_bias, (const uint16_t *)L->down, hidden,
+                                     L->down_bias, delta) == 0 ? 0 : -1) != 0) break;
         } else {
             if ((rc = linear(s, h, m, hidden, L->gate_up, L->gate_up_bias, L->gate_up_scale, gu,
                              2 * inter, tmp)) != 0) break;
             tandem_silu_mul_f32(gu, act, m, inter);
+            if ((rc = linear(s, act, m, inter, L->down, L->down_bias, L->down_scale, delta, hidden,
+                             tmp)) != 0) break;
         }
-        if ((rc = linear(s, act, m, inter, L->down, L->down_bias, L->down_scale, delta, hidden, tmp)) != 0) break;
     }
     if (rc == 0)
         tandem_add_rms_norm_f32(x, s->num_layers ? delta : NULL, out, s->final_norm, m, hidden, s->eps);

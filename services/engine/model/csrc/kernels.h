@@ -37,6 +37,8 @@ int tandem_amx_linear(const float *x, int64_t M, int64_t K, const uint16_t *wp, 
 int tandem_amx_fuses_gate_up(int64_t inter);
 int tandem_amx_gate_up_silu(const float *x, int64_t M, int64_t K, const uint16_t *wp,
                             int64_t inter, const float *bias, float *out);
+int tandem_amx_mlp(const float *x, int64_t M, int64_t K, const uint16_t *wgu, int64_t inter,
+                   const float *bgu, const uint16_t *wd, int64_t N, const float *bd, float *out);
 
 /* packed_linear.c */
 void tandem_pack_linear_f32(const float *w, float *packed, int64_t n_out, int64_t k_in);
