@@ -1,7 +1,9 @@
 /* bf16 linears on AMX tiles: y = bf16(x W^T + b) written as fp32, x fp32 (rounded to bf16
  * for the product, as oneDNN rounds a bf16 product's input), W bf16 packed once. With
  * round_output 0 (an LM head: logits) y is the fp32 sum itself, not rounded to bf16; an
- * MLP's gate|up product can end in its SiLU·mul instead (tandem_amx_gate_up_silu).
+ * MLP's gate|up product can end in its SiLU·mul instead (tandem_amx_gate_up_silu), and a
+ * whole MLP run in one call (tandem_amx_mlp: the SiLU·mul goes straight into the down
+ * product's bf16 input tiles, the down product run by the same threads).
  *
  * Packed weight: blocks of 16 outputs x 32 inputs in the tile product's pair-interleaved
  * layout, 1 KB each, input-major within an output block:
@@ -53,7 +55,8 @@ void tandem_amx_pack_linear(const uint16_t *w, uint16_t *wp, int64_t N, int64_t 
         }
 }
 
-/* What an item's 32 x 32 fp32 block ``c`` becomes: ``out`` rows m0 .. (< M), ``ld`` apart. */
+/* What an item's 32 x 32 fp32 block ``c`` becomes: ``out`` rows m0 .. (< M), ``ld`` apart
+ * (or, SILU_TILES, rows of ``tiles``). */
 typedef struct {
     const float *bias;
     float *out;
