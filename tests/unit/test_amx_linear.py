@@ -125,9 +125,20 @@ def test_the_fused_gate_up_silu_is_bit_identical_to_the_product_then_silu_mul(in
 
 @pytest.mark.parametrize("inter,hidden", [(48, 64), (1536, 576), (32, 40), (80, 96)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_an_mlp_in_one_call_is_bit_identical_to_its_three_steps(inter, hidden, bias):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_an_mlp_in_one_call_is_bit_identical_to_its_three_steps(inter, hidden, bias, threads):
     """gate|up with its SiLU·mul, then down: inter 48 and 80 leave half a 32-input block of
-    the down product's input, which must read as zeros, not as whatever was in memory."""
+    the down product's input, which must read as zeros, not as whatever was in memory; on
+    several threads the down product starts only once every row of the activation is in."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _check_mlp(inter, hidden, bias)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _check_mlp(inter, hidden, bias):
     gen = torch.Generator().manual_seed(inter * hidden)
     wgu = torch.randn(2 * inter, hidden, generator=gen).bfloat16()
     wd = torch.randn(hidden, inter, generator=gen).bfloat16()

@@ -119,10 +119,10 @@ class AmxLinearKernels:
 
     @staticmethod
     def _done(rc: int) -> None:
-        """The kernel's return code: 0, -1 (no memory for the bf16 input), -2 (no AMX tiles
+        """The kernel's return code: 0, -1 (no memory for its bf16 tiles), -2 (no AMX tiles
         for this process), -3 (a shape it does not take)."""
         if rc == -1:
-            raise MemoryError("the AMX linear could not allocate its bf16 input")
+            raise MemoryError("the AMX linear could not allocate its bf16 tiles")
         if rc == -2:
             raise RuntimeError("the AMX linear has no AMX tiles in this process")
         if rc != 0:

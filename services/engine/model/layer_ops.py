@@ -60,7 +60,9 @@ class NativeLayerOps(TorchLayerOps):
     def mlp(self, h: torch.Tensor, gate_up: torch.nn.Module,
             down: torch.nn.Module) -> torch.Tensor:
         """On packed weights the gate|up product and SiLU·mul are one native call (the
-        product is not written out; the same values). With bf16 weights on oneDNN, gate|up
+        product is not written out; the same values); on AMX weights the down product joins
+        that call (the SiLU·mul handed over in bf16, as ``down`` rounds it). With bf16 weights
+        on oneDNN, gate|up
         stays bf16 into SiLU·mul and its bf16 result goes to ``down`` as is: the values
         ``down`` would get from the widened product (it rounds its input to bf16 anyway), in
         half the memory traffic."""
@@ -68,6 +70,7 @@ class NativeLayerOps(TorchLayerOps):
         packed = gate_up.packed if isinstance(gate_up, CpuLinear) else None
         if packed is not None and packed.fuses_gate_up(gate_up.out_features):  # SiLU·mul in the product
             if isinstance(down, CpuLinear) and down.packed is packed and hasattr(packed, "mlp") \
+                    and down.in_features * 2 == gate_up.out_features \
                     and down.packed_options.get("round_output", True):  # the MLP in one call
                 return packed.mlp(h.contiguous(), gate_up.weight, gate_up.bias, gate_up.out_features,
                                   down.weight, down.bias, down.out_features)

@@ -63,7 +63,7 @@ typedef struct {
     int64_t M, N, ld;
     int mode;  /* TANDEM_AMX_RAW, TANDEM_AMX_ROUND, TANDEM_AMX_SILU or TANDEM_AMX_SILU_TILES */
     uint16_t *tiles;  /* SILU_TILES: the result in bf16, in the input tiles of a product over
-                       * N inputs (see tandem_amx_to_tiles) */
+                       * N inputs (tandem_amx_to_tiles's layout; rows >= M left unwritten) */
 } tandem_amx_epilogue;
 
 enum { TANDEM_AMX_RAW, TANDEM_AMX_ROUND, TANDEM_AMX_SILU, TANDEM_AMX_SILU_TILES };

@@ -27,8 +27,8 @@
  *   positions [M] int64 (RoPE), slots [M] int64 (cache slot of each row's K/V)
  *   token_rows, last_pos [M] int64, block_table [M, table_stride] int64: the decode group
  *   kv        [layers, 2, num_blocks, block_size, KVH, D] fp32 or bf16 contiguous
- * Returns 0; -1 when a scratch buffer cannot be allocated (nothing written then, or the
- * step's KV partly), -2 when M is out of range (nothing done): 1 .. TANDEM_GEMV_MAX_ROWS
+ * Returns 0; -1 when a scratch buffer cannot be allocated or a product's kernel fails
+ * (nothing written then, or the step's KV partly), -2 when M is out of range (nothing done): 1 .. TANDEM_GEMV_MAX_ROWS
  * on plain weights, any M >= 1 on packed, AMX and int8 ones; -3 when a token id is not in the table, a
  * token row not in 0 .. M - 1, a slot or a block a row reads not in the cache (nothing done).
  */
