@@ -48,6 +48,7 @@ class AmxLinearKernels:
         self._gate_up_silu = bind(lib, "tandem_amx_gate_up_silu", ctypes.c_int,
                                   _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr)
         self._fuses_gate_up = bind(lib, "tandem_amx_fuses_gate_up", ctypes.c_int, _i64)
+        self._fuses: dict[int, bool] = {}  # fuses_gate_up's answers, asked once per layer shape
         self._mlp = bind(lib, "tandem_amx_mlp", ctypes.c_int,
                          _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr)
 
@@ -72,7 +73,10 @@ class AmxLinearKernels:
     def fuses_gate_up(self, n_out: int) -> bool:
         """Whether a gate|up product of ``n_out`` outputs can run as ``gate_up_silu`` (the
         kernel's rule, which the decode stack follows too: halves on 16-output blocks)."""
-        return n_out % 2 == 0 and bool(self._fuses_gate_up(n_out // 2))
+        fuses = self._fuses.get(n_out)
+        if fuses is None:
+            fuses = self._fuses[n_out] = n_out % 2 == 0 and bool(self._fuses_gate_up(n_out // 2))
+        return fuses
 
     def gate_up_silu(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
                      n_out: int) -> torch.Tensor:
@@ -99,7 +103,8 @@ class AmxLinearKernels:
         if not self.fuses_gate_up(n_gate_up):
             raise ValueError(f"gate|up fusion needs whole 16-output blocks per half, got {n_gate_up}")
         self._check(x, gate_up, gate_up_bias, n_gate_up)
-        self._check(x.new_empty(0, n_gate_up // 2), down, down_bias, n_out)
+        check_fp32_operands("AMX linears' inputs and bias", down_bias)
+        self._check_weight(n_gate_up // 2, down, down_bias, n_out)
         out = x.new_empty(x.shape[0], n_out)
         if x.shape[0]:
             self._done(self._mlp(x.data_ptr(), x.shape[0], x.shape[1], gate_up.data_ptr(),
@@ -111,10 +116,15 @@ class AmxLinearKernels:
     @staticmethod
     def _check(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n_out: int) -> None:
         check_fp32_operands("AMX linears' inputs and bias", x, bias)
-        if x.dim() != 2 or packed.dtype != torch.bfloat16 \
-                or packed.numel() != packed_numel(n_out, x.shape[1]) \
+        if x.dim() != 2:
+            raise ValueError(f"AMX linear: x {tuple(x.shape)} is not [M, K]")
+        AmxLinearKernels._check_weight(x.shape[1], packed, bias, n_out)
+
+    @staticmethod
+    def _check_weight(k_in: int, packed: torch.Tensor, bias: torch.Tensor | None, n_out: int) -> None:
+        if packed.dtype != torch.bfloat16 or packed.numel() != packed_numel(n_out, k_in) \
                 or (bias is not None and bias.shape != (n_out,)):
-            raise ValueError(f"AMX linear: x {tuple(x.shape)}, {packed.numel()} packed elements, "
+            raise ValueError(f"AMX linear: {k_in} inputs, {packed.numel()} packed elements, "
                              f"{n_out} outputs do not fit")
 
     @staticmethod
