@@ -40,8 +40,12 @@ int tandem_amx_fuses_gate_up(int64_t inter) { return inter > 0 && inter % 16 == 
 
 int tandem_amx_linear_supported(void) { return tandem_amx_permitted(); }
 
+static inline int64_t tandem_amx_pairs(int64_t N) {  /* pairs of 16-output blocks of N outputs */
+    return ((N + 15) / 16 + 1) / 2;
+}
+
 void tandem_amx_pack_linear(const uint16_t *w, uint16_t *wp, int64_t N, int64_t K) {
-    const int64_t Kb = (K + 31) / 32, Nb = ((N + 15) / 16 + 1) / 2 * 2;
+    const int64_t Kb = (K + 31) / 32, Nb = 2 * tandem_amx_pairs(N);
 #pragma omp parallel for num_threads(tandem_team(Nb)) schedule(static)
     for (int64_t nb = 0; nb < Nb; ++nb)
         for (int64_t kb = 0; kb < Kb; ++kb) {
@@ -53,6 +57,13 @@ void tandem_amx_pack_linear(const uint16_t *w, uint16_t *wp, int64_t N, int64_t 
                         dst[kp * 32 + n * 2 + e] = row < N && col < K ? w[row * K + col] : 0;
                     }
         }
+}
+
+/* Where input (m, k) of a product's bf16 input tiles lies (Kb: 32-input blocks a row):
+ * 16 rows x 32 inputs contiguous (1 KB) per tile, input-major within 16-row groups, so a
+ * tile load reads 1 KB in a row. */
+static inline int64_t tandem_amx_tile_at(int64_t m, int64_t k, int64_t Kb) {
+    return (m / 16) * Kb * 512 + (k / 32) * 512 + (m % 16) * 32 + k % 32;
 }
 
 /* What an item's 32 x 32 fp32 block ``c`` becomes: ``out`` rows m0 .. (< M), ``ld`` apart
@@ -89,19 +100,15 @@ static inline void tandem_amx_store_rows(const float *c, const tandem_amx_epilog
                 u = _mm512_add_ps(u, _mm512_loadu_ps(e->bias + e->N + n0));
             }
             float gs[16] __attribute__((aligned(64))), us[16] __attribute__((aligned(64)));
+            float act[16] __attribute__((aligned(64)));
             _mm512_store_ps(gs, tandem_amx_to_bf16(g));
             _mm512_store_ps(us, tandem_amx_to_bf16(u));
-            if (e->mode == TANDEM_AMX_SILU) {
-                float *o = e->out + (m0 + r) * e->ld + n0;
-                for (int i = 0; i < 16; ++i) o[i] = tandem_silu_mul1(gs[i], us[i]);
-            } else {
-                float act[16] __attribute__((aligned(64)));
-                for (int i = 0; i < 16; ++i) act[i] = tandem_silu_mul1(gs[i], us[i]);
-                const int64_t m = m0 + r;
-                _mm256_store_si256((__m256i *)(e->tiles + (m / 16) * Kb * 512 + (m % 16) * 32 +
-                                               (n0 / 32) * 512 + n0 % 32),
+            for (int i = 0; i < 16; ++i) act[i] = tandem_silu_mul1(gs[i], us[i]);
+            if (e->mode == TANDEM_AMX_SILU)
+                _mm512_storeu_ps(e->out + (m0 + r) * e->ld + n0, _mm512_load_ps(act));
+            else
+                _mm256_store_si256((__m256i *)(e->tiles + tandem_amx_tile_at(m0 + r, n0, Kb)),
                                    (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(act)));
-            }
         }
         return;
     }
@@ -117,21 +124,18 @@ static inline void tandem_amx_store_rows(const float *c, const tandem_amx_epilog
         }
 }
 
-/* x [M, K] fp32 rounded to bf16 into ``a`` in tiles: 16 rows x 32 inputs contiguous (1 KB),
- * input-major within 16-row groups, zero-padded to Mp x Kp (M and K rounded up to 32):
- *   a[(m / 16) * Kb * 512 + (k / 32) * 512 + (m % 16) * 32 + k % 32] = bf16(x[m][k])
- * (so a tile load reads 1 KB in a row). Run by the calling OpenMP team. */
+/* x [M, K] fp32 rounded to bf16 into ``a`` in tiles (tandem_amx_tile_at), zero-padded to
+ * Mp x Kp (M and K rounded up to 32). Run by the calling OpenMP team. */
 static void tandem_amx_to_tiles(const float *x, int64_t M, int64_t K, uint16_t *a) {
     const int64_t Kb = (K + 31) / 32, Kp = Kb * 32, Mp = (M + 31) / 32 * 32;
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < Mp; ++m) {
-        uint16_t *dst = a + (m / 16) * Kb * 512 + (m % 16) * 32;
         const float *src = x + (m < M ? m : 0) * K;  /* padding rows read nothing */
         for (int64_t k = 0; k < Kp; k += 16) {
             const int64_t left = m < M ? K - k : 0;
             const __mmask16 keep = left >= 16 ? (__mmask16)0xffff
                                  : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
-            _mm256_store_si256((__m256i *)(dst + (k / 32) * 512 + k % 32),
+            _mm256_store_si256((__m256i *)(a + tandem_amx_tile_at(m, k, Kb)),
                                (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(keep, src + k)));
         }
     }
@@ -223,7 +227,7 @@ int tandem_amx_linear(const float *x, int64_t M, int64_t K, const uint16_t *wp, 
                       const float *bias, float *out, int round_output) {
     const tandem_amx_epilogue e = {bias, out, M, N, N,
                                    round_output ? TANDEM_AMX_ROUND : TANDEM_AMX_RAW, NULL};
-    return tandem_amx_run(x, M, K, wp, ((N + 15) / 16 + 1) / 2, &e, NULL, 0, NULL);
+    return tandem_amx_run(x, M, K, wp, tandem_amx_pairs(N), &e, NULL, 0, NULL);
 }
 
 /* out [M, inter] = silu(bf16(x Wg^T + bg)) * bf16(x Wu^T + bu) with the gate|up weight
@@ -247,13 +251,12 @@ int tandem_amx_mlp(const float *x, int64_t M, int64_t K, const uint16_t *wgu, in
     const int64_t kb = (inter + 31) / 32;
     uint16_t *act = aligned_alloc(64, (size_t)tandem_amx_tiles_numel(M, inter) * 2);
     if (act == NULL) return -1;
-    if (inter % 32 != 0)  /* inputs inter .. 32 kb - 1 of the down product: zero */
-        for (int64_t g = 0; g < (M + 31) / 32 * 2; ++g)
-            for (int r = 0; r < 16; ++r)
-                memset(act + (g * kb + kb - 1) * 512 + r * 32 + 16, 0, 32);
+    if (inter % 32 != 0)  /* inputs inter .. 32 kb - 1 of the down product (16 of them): zero */
+        for (int64_t m = 0; m < (M + 31) / 32 * 32; ++m)
+            memset(act + tandem_amx_tile_at(m, inter, kb), 0, 32);
     const tandem_amx_epilogue gu = {bgu, NULL, M, inter, inter, TANDEM_AMX_SILU_TILES, act};
     const tandem_amx_epilogue down = {bd, out, M, N, N, TANDEM_AMX_ROUND, NULL};
-    const int rc = tandem_amx_run(x, M, K, wgu, inter / 16, &gu, wd, ((N + 15) / 16 + 1) / 2, &down);
+    const int rc = tandem_amx_run(x, M, K, wgu, inter / 16, &gu, wd, tandem_amx_pairs(N), &down);
     free(act);
     return rc;
 }
