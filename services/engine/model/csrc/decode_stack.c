@@ -132,16 +132,20 @@ int tandem_decode_stack(const tandem_stack *s, const int64_t *ids, float *x, flo
     }
     const int64_t q_size = s->heads * d, kv_size = s->kv_heads * d;
     const int64_t qkv_width = q_size + 2 * kv_size, inter = s->inter;
-    const int64_t widest = qkv_width > 2 * inter ? qkv_width : 2 * inter;
-    const int64_t widest_in = hidden > q_size ? (hidden > inter ? hidden : inter)
-                                              : (q_size > inter ? q_size : inter);
-    /* h | qkv | attn | o | delta | gate_up (or any product) | act | rounded input */
-    const int64_t per_row = hidden + qkv_width + q_size + 2 * hidden + widest + inter + widest_in;
+    /* on AMX weights the MLP is one call: no gate|up product or activation written out */
+    const int mlp_in_one = s->weights == TANDEM_WEIGHTS_AMX && tandem_amx_fuses_gate_up(inter);
+    const int64_t gu_width = mlp_in_one ? 0 : 2 * inter, act_width = mlp_in_one ? 0 : inter;
+    /* the bf16 GEMV's rounded input, as wide as the widest input it rounds */
+    const int64_t tmp_width = s->weights != TANDEM_WEIGHTS_BF16 ? 0
+                              : hidden > q_size ? (hidden > inter ? hidden : inter)
+                                                : (q_size > inter ? q_size : inter);
+    /* h | qkv | attn | o | delta | gate_up | act | rounded input */
+    const int64_t per_row = hidden + qkv_width + q_size + 2 * hidden + gu_width + act_width + tmp_width;
     float *buf = malloc((size_t)(m * per_row) * sizeof(float));
     if (buf == NULL) return -1;
     float *h = buf, *qkv = h + m * hidden, *attn = qkv + m * qkv_width, *o = attn + m * q_size;
-    float *delta = o + m * hidden, *gu = delta + m * hidden, *act = gu + m * widest;
-    float *tmp = act + m * inter;
+    float *delta = o + m * hidden, *gu = delta + m * hidden, *act = gu + m * gu_width;
+    float *tmp = act + m * act_width;
     const size_t elem = s->kv_bf16 ? sizeof(uint16_t) : sizeof(float);
     const int64_t cache_elems = num_blocks * s->block_size * kv_size; /* one K or V of a layer */
     int rc = 0;
@@ -172,7 +176,7 @@ int tandem_decode_stack(const tandem_stack *s, const int64_t *ids, float *x, flo
         if (rc != 0) break; /* its scratch could not be allocated */
         if ((rc = linear(s, attn, m, q_size, L->o, L->o_bias, L->o_scale, o, hidden, tmp)) != 0) break;
         tandem_add_rms_norm_f32(x, o, h, L->post_norm, m, hidden, s->eps);
-        if (s->weights == TANDEM_WEIGHTS_AMX && tandem_amx_fuses_gate_up(inter)) {  /* one call */
+        if (mlp_in_one) {
             if ((rc = tandem_amx_mlp(h, m, hidden, (const uint16_t *)L->gate_up, inter,
                                      L->gate_up_bias, (const uint16_t *)L->down, hidden,
                                      L->down_bias, delta) == 0 ? 0 : -1) != 0) break;
