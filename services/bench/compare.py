@@ -19,6 +19,7 @@ from typing import Any
 
 from services.bench import runinfo
 from services.bench import serve as serve_bench
+from services.bench.metrics_math import goodput_text
 
 SYSTEMS = ("disaggregated", "colocated", "conditional")
 SCHEMA = "tandem.bench.compare/v1"
@@ -73,6 +74,7 @@ def ratios(results: list[dict[str, Any]], baseline: str) -> dict[str, Any]:
                      "ratio_to_baseline": {k: _ratio(v, values[base["label"]]) for k, v in values.items()}})
 
     row("goodput (req/s)", {r["label"]: r["goodput"]["interpolated_rps"] for r in results}, True)
+    rows[-1]["texts"] = {r["label"]: goodput_text(r["goodput"]) for r in results}
     for k, run in enumerate(base["runs"]):
         for key, name in (("ttft_ms", "p90 TTFT (ms)"), ("tpot_ms", "p90 TPOT (ms)")):
             row(f"{name} @ {serve_bench.rate_label(run['rate'])}/s",
@@ -93,7 +95,8 @@ def print_table(table: dict[str, Any], labels: list[str]) -> None:
     print(head)
     for row in table["rows"]:
         fmt = ".0%" if row["metric"].startswith("SLO") else (".2f" if "goodput" in row["metric"] else ".1f")
-        cells = "".join(f"{serve_bench.fmt_num(row['values'][lb], fmt):>15}" for lb in labels)
+        cells = "".join(f"{row['texts'][lb] if 'texts' in row else serve_bench.fmt_num(row['values'][lb], fmt):>15}"
+                        for lb in labels)
         rat = "".join(f"{serve_bench.fmt_num(row['ratio_to_baseline'][lb], '.2f') + 'x':>17}" for lb in others)
         print(f"{row['metric']:28}{cells}{rat}")
 

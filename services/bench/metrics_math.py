@@ -152,7 +152,9 @@ def goodput(points: Sequence[tuple[float, float | None]], target: float) -> dict
     ``target`` (0.0 when the lowest does not). ``interpolated_rps``: where the
     attainment curve crosses ``target`` between the last passing and the first failing
     rate (linear), else ``rps``. ``bounded``: False when every rate passed (the true
-    goodput is at least ``rps``: sweep higher). Infinite rates (bursts) are skipped.
+    goodput is at least ``rps``: sweep higher). ``below_sweep``: True when the lowest
+    rate missed (the true goodput is below it, not necessarily 0: sweep lower).
+    Infinite rates (bursts) are skipped.
     """
     pts = sorted((r, a) for r, a in points if r is not None and math.isfinite(r))
     best, interp, bounded = 0.0, 0.0, False
@@ -167,5 +169,14 @@ def goodput(points: Sequence[tuple[float, float | None]], target: float) -> dict
             (r0, a0), (r1, a1) = prev, (rate, att)
             interp = r0 + (r1 - r0) * (a0 - target) / (a0 - a1) if a0 != a1 else r0
         break
+    below = bool(pts) and (pts[0][1] is None or pts[0][1] < target)
     return {"rps": best, "interpolated_rps": interp, "bounded": bounded and bool(pts),
-            "target": target, "points": [[r, a] for r, a in pts]}
+            "below_sweep": below, "target": target, "points": [[r, a] for r, a in pts]}
+
+
+def goodput_text(g: Mapping[str, Any]) -> str:
+    """A ``goodput`` result as printed: "2.50", "6.00+" (every rate met the SLO: a lower
+    bound), "<0.50" (the lowest rate swept missed it: an upper bound)."""
+    if g.get("below_sweep"):
+        return f"<{g['points'][0][0]:.2f}"
+    return f"{g['interpolated_rps']:.2f}" + ("" if g.get("bounded", True) else "+")

@@ -23,7 +23,7 @@ from typing import Any
 from services.bench import runinfo
 from services.bench import serve as serve_bench
 from services.bench.arrivals import arrival_offsets
-from services.bench.metrics_math import SLO, goodput, summarize
+from services.bench.metrics_math import SLO, goodput, goodput_text, summarize
 from services.bench.mix import Mix, all_mixes, helm_values
 from services.bench.perf_model import DecodeModel, PrefillModel, StepModel, TransferModel
 from services.bench.cpu_share import Hardware
@@ -235,7 +235,7 @@ def print_table(results: list[dict[str, Any]], target_rate: float, best: dict[st
         g = r["goodput"]
         fmt = serve_bench.fmt_num
         mark = "  <- recommended" if best is r else ""
-        print(f"{r['label']:>17} {r['cores']:>5g} {g['interpolated_rps']:>8.2f}{'' if g['bounded'] else '+'} "
+        print(f"{r['label']:>17} {r['cores']:>5g} {goodput_text(g):>9} "
               f"{fmt(run['attainment']['both'], '.0%'):>10} "
               f"{fmt(run['ttft_ms']['p50']) + '/' + fmt(run['ttft_ms']['p90']):>16} "
               f"{fmt(run['tpot_ms']['p50'], '.1f') + '/' + fmt(run['tpot_ms']['p90'], '.1f'):>16}{mark}")

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from services.bench.metrics_math import goodput_text
+
 METRICS = (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "inter-token latency"), ("e2e_s", "end-to-end"))
 LINESTYLES = ("-", "--", ":", "-.")
 
@@ -112,14 +114,15 @@ def _goodput_bars(ax, results: Sequence[dict]) -> None:
     bars = ax.bar(names, vals, color=[f"C{i}" for i in range(len(results))])
     for bar, r in zip(bars, results):
         g = r["goodput"]
-        text = f"{g['interpolated_rps']:.2f}" + ("" if g["bounded"] else "+")
+        text = goodput_text(g)
         ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
     ax.set(ylabel="goodput (req/s)", title=f"goodput at {results[0]['slo']['attainment']:.0%} SLO attainment")
     ax.grid(axis="y", alpha=0.3)
 
 
 def goodput(results: Sequence[dict], path: str | Path) -> Path:
-    """Requests/s meeting the SLO against offered rate, and the goodput (interpolated; + = lower bound)."""
+    """Requests/s meeting the SLO against offered rate, and the goodput (interpolated; + = lower
+    bound, < = below the lowest rate swept)."""
     plt = _pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
     for color, result in enumerate(results):

@@ -251,8 +251,12 @@ def print_summary(result: dict[str, Any]) -> None:
               "every figure above: " + ", ".join(f"{n} at {rate} req/s" for rate, n in cut if n))
     print(runinfo.machine_line())
     g = result["goodput"]
-    print(f"goodput: {g['interpolated_rps']:.2f} req/s interpolated ({g['rps']:g} swept)"
-          + ("" if g["bounded"] else "  (every rate met the SLO: a lower bound, sweep higher)"))
+    if g.get("below_sweep"):
+        print(f"goodput: below {g['points'][0][0]:g} req/s (the lowest rate swept missed the SLO: "
+              "sweep lower rates, or loosen --slo-*)")
+    else:
+        print(f"goodput: {g['interpolated_rps']:.2f} req/s interpolated ({g['rps']:g} swept)"
+              + ("" if g["bounded"] else "  (every rate met the SLO: a lower bound, sweep higher)"))
 
 
 def default_out_dir(kind: str) -> Path:

@@ -10,7 +10,8 @@ import httpx
 import pytest
 
 from services.bench.client import completion_body, sse_data, stream_completion
-from services.bench.compare import ratios
+from services.bench.compare import print_table, ratios
+from services.bench.metrics_math import goodput
 from services.bench.loadgen import run_requests
 from services.bench.workload import BenchRequest
 
@@ -159,6 +160,16 @@ def test_ratio_table_divides_by_the_baseline():
     assert rows["p90 TPOT (ms) @ 1/s"]["ratio_to_baseline"]["disaggregated"] == pytest.approx(0.8)
     zero = ratios([_result("a", 1.0, 1.0, 1.0, 1.0), _result("colocated", 0.0, 1.0, 1.0, 1.0)], "colocated")
     assert zero["rows"][0]["ratio_to_baseline"]["a"] is None  # no division by a zero goodput
+
+
+def test_ratio_table_marks_a_goodput_outside_the_sweep(capsys):
+    # vLLM missed the SLO at the lowest rate (its goodput is under 0.5, not 0); colocated
+    # met it at every rate (at least 2)
+    low = {**_result("vllm", 0.0, 1.0, 1.0, 0.0), "goodput": goodput([(0.5, 0.05), (2, 0.0)], 0.9)}
+    high = {**_result("colocated", 2.0, 1.0, 1.0, 1.0), "goodput": goodput([(0.5, 1.0), (2, 0.95)], 0.9)}
+    print_table(ratios([low, high], "colocated"), ["vllm", "colocated"])
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("goodput"))
+    assert line.split()[2:4] == ["<0.50", "2.00+"]
 
 
 def _closed_port() -> int:

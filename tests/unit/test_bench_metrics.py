@@ -11,7 +11,7 @@ import pytest
 from services.bench.arrivals import arrival_offsets, parse_rates
 from services.bench.client import StreamResult
 from services.bench.loadgen import make_record
-from services.bench.metrics_math import SLO, attainment, goodput, latencies, meets, percentile, summarize
+from services.bench.metrics_math import SLO, attainment, goodput, goodput_text, latencies, meets, percentile, summarize
 from services.bench.workload import BenchRequest
 
 # ---------------------------------------------------------------- per request
@@ -151,6 +151,26 @@ def test_goodput_edges():
     assert goodput([], 0.9)["rps"] == 0.0
     flat = goodput([(1, 0.95), (2, 0.5)], 0.99)
     assert flat["rps"] == 0.0
+
+
+def test_goodput_says_which_side_of_the_sweep_it_fell():
+    below = goodput([(0.5, 0.8), (1, 0.1)], 0.9)  # the lowest rate missed: under 0.5, not 0
+    assert below["below_sweep"] and goodput_text(below) == "<0.50"
+    above = goodput([(1, 1.0), (2, 0.95)], 0.9)  # every rate passed: at least 2
+    assert not above["below_sweep"] and goodput_text(above) == "2.00+"
+    inside = goodput([(1, 1.0), (2, 0.8)], 0.9)
+    assert not inside["below_sweep"] and goodput_text(inside) == "1.50"
+    assert not goodput([], 0.9)["below_sweep"]
+
+
+def test_bench_serve_says_its_goodput_is_below_the_sweep(capsys):
+    from services.bench.serve import print_summary
+
+    result = {"label": "vllm", "slo": {"ttft_ms": 2500.0, "tpot_ms": 60.0, "attainment": 0.9},
+              "config": {"workload_name": "interference", "arrival": "poisson", "requests_per_rate": 40},
+              "runs": [], "goodput": goodput([(0.5, 0.05), (1, 0.0)], 0.9)}
+    print_summary(result)
+    assert "goodput: below 0.5 req/s (the lowest rate swept missed the SLO" in capsys.readouterr().out
 
 
 def test_goodput_of_recorded_sweeps():
