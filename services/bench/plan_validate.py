@@ -21,7 +21,7 @@ from typing import Any
 
 from services.bench import runinfo
 from services.bench import serve as serve_bench
-from services.bench.metrics_math import SLO, goodput, summarize
+from services.bench.metrics_math import SLO, goodput, goodput_text, summarize
 from services.bench.mix import conditional_args
 from services.bench.perf_model import StepModel
 from services.bench.server_cpu import (TELEMETRY_WAIT_S, engine_counters, fit_per_step_and_token, idle_cores,
@@ -165,7 +165,9 @@ def validate(args: argparse.Namespace, prof: dict[str, Any], mixes: list[Any], p
                      "step_factors": factors, "engine_cpu_s_and_steps": got.engine_by_role,
                      "request_path_cpu_s": got.path_cpu_s, "tokens": got.tokens, "predicted_rps": p,
                      "predicted_bounded": under_load["goodput"]["bounded"],
-                     "measured_rps": m, "measured_bounded": result["goodput"]["bounded"], "error": error(p, m),
+                     "predicted_text": goodput_text(under_load["goodput"]),
+                     "measured_rps": m, "measured_bounded": result["goodput"]["bounded"],
+                     "measured_text": goodput_text(result["goodput"]), "error": error(p, m),
                      # per rate, as the measured results (measured-MIX-results.json) have them
                      "predicted_runs": under_load["runs"],
                      "load_avg_before": load_before, "load_avg_after": runinfo.machine()["load_avg_at_start"]})
@@ -258,7 +260,7 @@ def _factors(f: dict[str, float]) -> str:
 def print_validation(v: dict[str, Any]) -> None:
     print()
     print(runinfo.machine_line())
-    print("goodput (req/s; + = every rate met the SLO) predicted: on a quiet machine; with the step times as "
+    print("goodput (req/s; + = every rate met the SLO, < = the lowest missed it) predicted: on a quiet machine; with the step times as "
           "profiled (the load then); under the background measured during the run (cores other processes "
           "used, bg, plus the server's own CPU at rest, idle) with the request path's CPU measured then (path "
           "ms: per token, everything outside the engine steps and the idle CPU beyond the plan's "
@@ -280,8 +282,7 @@ def print_validation(v: dict[str, Any]) -> None:
               f"{r.get('idle_cores', 0.0):>5.2f} {r['frontend_ms_per_token']:>5.2f} "
               f"{r.get('request_path_ms_per_token', r['frontend_ms_per_token']):>7.2f} "
               f"{_factors(r.get('step_factors', {})):>9} "
-              f"{r['predicted_rps']:>9.2f}{'' if r['predicted_bounded'] else '+'} "
-              f"{r['measured_rps']:>9.2f}{'' if r['measured_bounded'] else '+'} {err + '%':>7}   "
+              f"{r['predicted_text']:>10} {r['measured_text']:>10} {err + '%':>7}   "
               f"{r['load_avg_before'][0]:.2f}/{r['load_avg_after'][0]:.2f}")
     fit = v.get("request_path_fit")
     if fit:

@@ -314,12 +314,13 @@ def test_validation_table_shows_errors_and_unmeasured_mixes(capsys):
     row = {"mix": "1P+1D", "quiet_predicted_rps": 2.0, "as_profiled_rps": 1.1, "as_profiled_error": error(1.1, 1.0),
            "background_cores": 3.2, "frontend_ms_per_token": 1.2, "predicted_rps": 1.2, "predicted_bounded": True,
            "measured_rps": 1.0, "measured_bounded": True, "error": error(1.2, 1.0),
+           "predicted_text": "1.20", "measured_text": "<1.00",
            "load_avg_before": [5.0, 4.0, 3.0], "load_avg_after": [6.0, 5.0, 4.0]}
     print_validation({"rows": [row, {"mix": "2P+1D", "failed": "did not become ready"}],
                       "recommended_under_load": "1P+1D", "measured_best": "1P+1D", "measured_ranking": ["1P+1D"]})
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.strip().startswith("1P+1D"))
-    assert "+10%" in line and "+20%" in line and "5.00/6.00" in line
+    assert "+10%" in line and "+20%" in line and "5.00/6.00" in line and " 1.20 " in line and " <1.00 " in line
     assert "2P+1D not measured: did not become ready" in out
     print_validation({"rows": [{**row, "request_path_ms_per_token": 3.75}], "recommended_under_load": None,
                       "measured_best": None, "measured_ranking": []})
