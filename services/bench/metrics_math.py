@@ -177,6 +177,6 @@ def goodput(points: Sequence[tuple[float, float | None]], target: float) -> dict
 def goodput_text(g: Mapping[str, Any]) -> str:
     """A ``goodput`` result as printed: "2.50", "6.00+" (every rate met the SLO: a lower
     bound), "<0.50" (the lowest rate swept missed it: an upper bound)."""
-    if g.get("below_sweep"):
+    if g["below_sweep"]:
         return f"<{g['points'][0][0]:.2f}"
-    return f"{g['interpolated_rps']:.2f}" + ("" if g.get("bounded", True) else "+")
+    return f"{g['interpolated_rps']:.2f}" + ("" if g["bounded"] else "+")

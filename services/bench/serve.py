@@ -251,7 +251,7 @@ def print_summary(result: dict[str, Any]) -> None:
               "every figure above: " + ", ".join(f"{n} at {rate} req/s" for rate, n in cut if n))
     print(runinfo.machine_line())
     g = result["goodput"]
-    if g.get("below_sweep"):
+    if g["below_sweep"]:
         print(f"goodput: below {g['points'][0][0]:g} req/s (the lowest rate swept missed the SLO: "
               "sweep lower rates, or loosen --slo-*)")
     else:

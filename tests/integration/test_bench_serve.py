@@ -54,7 +54,8 @@ RESULTS = {
         "runs": {"type": "array", "minItems": 1, "items": {
             "type": "object", "required": ["rate", "arrival", "summary", "requests"],
             "properties": {"rate": NUM_OR_NULL, "summary": SUMMARY, "requests": {"type": "array", "items": RECORD}}}},
-        "goodput": {"type": "object", "required": ["rps", "interpolated_rps", "bounded", "target", "points"]},
+        "goodput": {"type": "object", "required": ["rps", "interpolated_rps", "bounded", "below_sweep", "target",
+                                                 "points"]},
         "plots": {"type": "object", "required": ["latency_cdf", "attainment", "goodput"]},
     },
 }
@@ -116,6 +117,22 @@ def test_bench_serve_writes_every_record_a_summary_and_plots(server, tiny_model_
     swept = sum(rec["prompt_tokens"] for run in data["runs"] for rec in run["requests"])
     warm = _prompt_tokens_served(server.url) - served_before - swept
     assert data["config"]["warmup"] == 4 and warm == sum(r.prompt_len for r in replay.warmup(4))
+
+
+def test_bench_serve_reports_a_goodput_below_the_rates_it_swept(server, tiny_model_dir, tmp_path):
+    # an SLO no server meets (a first token within a microsecond): the goodput lies below the
+    # lowest rate, which the summary, the results and the plots say, rather than a measured 0
+    out = tmp_path / "below"
+    proc = _cli("serve", "--url", server.url, "--tokenizer", str(tiny_model_dir), "--input-len", "16",
+                "--output-len", "4", "--num-prompts", "4", "--rates", "2,4", "--slo-ttft-ms", "0.001",
+                "--warmup", "1", "--request-timeout", "60", "--max-duration", "90", "--out-dir", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "goodput: below 2 req/s (the lowest rate swept missed the SLO" in proc.stdout
+    data = json.loads((out / "results.json").read_text())
+    jsonschema.validate(data, RESULTS)
+    assert data["goodput"]["below_sweep"] and data["goodput"]["rps"] == 0.0
+    assert all(run["summary"]["completed"] == 4 for run in data["runs"])  # served, just too slowly
+    _assert_png(data["plots"]["goodput"])
 
 
 def test_bench_compare_runs_both_modes_and_another_server(server, tiny_model_dir, tmp_path):

@@ -147,7 +147,8 @@ def test_run_requests_records_every_request_including_failures_and_the_deadline(
 def _result(label, good, ttft, tpot, att):
     runs = [{"rate": 1.0, "summary": {"ttft_ms": {"p90": ttft}, "tpot_ms": {"p90": tpot},
                                       "attainment": {"both": att}}}]
-    return {"label": label, "goodput": {"interpolated_rps": good}, "runs": runs}
+    return {"label": label, "runs": runs,
+            "goodput": {"interpolated_rps": good, "bounded": True, "below_sweep": False, "points": [[1.0, att]]}}
 
 
 def test_ratio_table_divides_by_the_baseline():
