@@ -59,8 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --vllm-python: TTFT calls per side, prompt length and round, alternating; "
                         "each round keeps each side's best")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                   help="weights, activations and KV of both sides with --vllm-python (bfloat16 is "
-                        "fast on CPUs with AVX-512 BF16 or AMX)")
+                   help="weights and KV of tandem's engine, and of vLLM's with --vllm-python "
+                        "(bfloat16 is fast on CPUs with AVX-512 BF16 or AMX; the transformers "
+                        "baseline stays float32)")
     p.add_argument("--vllm-kv-cache-gb", type=float, default=2.0,
                    help="vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE) with --vllm-python")
 
@@ -254,13 +255,14 @@ def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     llm = LLM(path, num_threads=args.threads, max_num_batched_tokens=4096,
               onednn=not args.no_onednn, cpu_kernels=not args.no_cpu_kernels,
-              cpu_weight_layout=args.cpu_weight_layout)
+              cpu_weight_layout=args.cpu_weight_layout, dtype=args.dtype)
     heap.freeze()  # this process holds the engine to its end, as a worker actor does
     vocab = min(llm.engine.model_config.vocab_size, llm.tokenizer.vocab_size)
     prompts = _prompts(args.num_prompts, args.input_len, vocab, args.seed)
     total_out = args.num_prompts * args.output_len
     result: dict = dict(model=path, num_prompts=args.num_prompts, input_len=args.input_len,
-                        output_len=args.output_len, threads=args.threads)
+                        output_len=args.output_len, threads=args.threads, dtype=args.dtype,
+                        cpu_weight_layout=args.cpu_weight_layout)
 
     sampling = dict(temperature=args.temperature, top_p=args.top_p)
     result.update(sampling)
@@ -283,7 +285,8 @@ def main(args: argparse.Namespace) -> int:
 
     print(runinfo.machine_line())
     print(f"model {path}: {args.num_prompts} prompts x ({args.input_len} in, "
-          f"{args.output_len} out), {args.threads} threads, "
+          f"{args.output_len} out), {args.threads} threads, {args.dtype} "
+          f"({args.cpu_weight_layout} layout asked), "
           f"{side_by_side.sampling_label(args.temperature, args.top_p)}")
     print(f"  tandem engine       {result['tandem_tok_s']:8.1f} output tok/s")
     if "hf_tok_s" in result:

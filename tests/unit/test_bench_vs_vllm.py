@@ -147,6 +147,22 @@ def test_the_batch_one_step_is_set_against_reads_taken_between_the_steps(tmp_pat
     assert main(["bench", "offline", "--model", str(tiny_model_dir), "--no-hf", "--decode-steps", "1"]) == 2
 
 
+def test_the_engine_alone_runs_in_the_dtype_asked(tmp_path, tiny_model_dir, capsys):
+    """Without --vllm-python, --dtype bfloat16 is tandem's engine in bf16 (half the weight
+    bytes a decode step reads), said beside the figures."""
+    def run(dtype: str) -> dict:
+        out = tmp_path / f"{dtype}.json"
+        assert main(["bench", "offline", "--model", str(tiny_model_dir), "--no-hf", "--threads", "1",
+                     "--num-prompts", "2", "--input-len", "8", "--output-len", "4", "--decode-steps", "4",
+                     "--dtype", dtype, "--json", str(out)]) == 0
+        return json.loads(out.read_text())
+
+    full, half = run("float32"), run("bfloat16")
+    assert (full["dtype"], half["dtype"]) == ("float32", "bfloat16")
+    assert half["weight_mb"] == pytest.approx(full["weight_mb"] / 2, rel=0.05)  # bf16 blocks pad a little
+    assert "threads, bfloat16 (packed layout asked)" in capsys.readouterr().out
+
+
 def test_sampled_runs_ask_both_sides_to_sample_and_compare_no_outputs(tmp_path, tiny_model_dir, capsys):
     out = tmp_path / "r.json"
     rc = main(["bench", "offline", "--model", str(tiny_model_dir), "--vllm-python", str(_fake_python(tmp_path)),

@@ -38,3 +38,10 @@ def test_the_machine_line_names_this_cpu():
     assert line.startswith("machine: ") and "usable cores" in line and "load average" in line
     cpu = runinfo.machine()["cpu"]
     assert cpu is None or cpu in line
+
+
+def test_the_machine_line_says_which_cpu_flags_a_run_hid(monkeypatch):
+    monkeypatch.setenv("TANDEM_CPU_FLAGS_OFF", "amx_bf16,amx_tile")
+    assert runinfo.machine_line().endswith(", run as without CPU flags amx_bf16,amx_tile (TANDEM_CPU_FLAGS_OFF)")
+    monkeypatch.delenv("TANDEM_CPU_FLAGS_OFF")
+    assert "TANDEM_CPU_FLAGS_OFF" not in runinfo.machine_line()

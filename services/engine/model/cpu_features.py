@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from functools import cache
 
 # Native bf16 dot products: AVX-512 BF16 (Cooper Lake, Zen 4+) or AMX (Sapphire Rapids+).
@@ -10,15 +11,31 @@ BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 @cache
 def cpu_flags() -> frozenset[str]:
-    """The ``flags`` of /proc/cpuinfo's first processor (empty where it cannot be read)."""
+    """The ``flags`` of /proc/cpuinfo's first processor (empty where it cannot be read),
+    less those named in ``TANDEM_CPU_FLAGS_OFF`` (comma-separated: the engine then runs as
+    on a CPU without them, e.g. ``amx_bf16`` to time the paths of one without AMX)."""
+    off = frozenset(f.strip() for f in os.environ.get("TANDEM_CPU_FLAGS_OFF", "").split(",") if f.strip())
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
+                    return frozenset(line.split(":", 1)[1].split()) - off
     except OSError:
         pass
     return frozenset()
+
+
+@cache
+def cpu_vendor() -> str:
+    """The ``vendor_id`` of /proc/cpuinfo (GenuineIntel, AuthenticAMD; empty where unknown)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 def has_native_bf16(flags: frozenset[str] | None = None) -> bool:
