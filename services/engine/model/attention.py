@@ -95,7 +95,9 @@ class TorchPagedAttention:
 
     With ``kernels`` (CPU, fp32 activations, fp32 or bf16 KV), no group is gathered:
     native kernels read each sequence's blocks where they lie, one for decode rows and
-    one for prompt chunks (where the CPU and head size allow; SDPA otherwise).
+    one for prompt chunks (where the CPU and head size allow; SDPA otherwise), a chunk of
+    one row too: the decode kernel's sums differ from the prompt kernel's in the last
+    bits, and a prompt row's result must not depend on the chunk it fell in.
 
     With ``amx_prompts`` (default: the CPU has AMX bf16 tiles), prompt groups over a bf16
     cache run their products in bf16 on AMX: the native AMX kernel where it is loaded
@@ -140,12 +142,14 @@ class TorchPagedAttention:
             amx = bf16_prompts and g.prompt
             if native and amx and not self.kernels.prefill_supported(head_dim, amx=True):
                 amx = False  # the native fp32 math, as decode rows: a bf16 SDPA's sums follow the chunk
-            if native and not amx and g.token_index.shape[1] == 1:
+            prefill = native and self.kernels.prefill_supported(head_dim, amx)
+            # one-row groups on the decode kernel, but a prompt's as its other chunks compute
+            if native and not amx and g.token_index.shape[1] == 1 and not (g.prompt and prefill):
                 self.kernels.paged_decode(q, out, g.token_rows, k_cache, v_cache,
                                           g.block_table, g.last_pos, self.sliding_window,
                                           self.scale)
                 continue
-            if native and self.kernels.prefill_supported(head_dim, amx):
+            if prefill:
                 self.kernels.paged_prefill(q, out, g.first_row, g.first_pos, g.query_len,
                                            k_cache, v_cache, g.block_table,
                                            self.sliding_window, self.scale, amx)
