@@ -232,7 +232,8 @@ class EngineConfig:
         "help": "CPU weights (the offline engine, colocated workers, the decode pool by "
                 "default, and the prefill pool's with bf16 weights): packed (fp32 on AVX-512 or AVX2: one native kernel for every step, decode "
                 "steps through all layers in one native call; bf16 on AMX-BF16: a native kernel on "
-                "the AMX tiles for every step; else blocked), blocked "
+                "the AMX tiles for every step, on AVX-512 BF16 without AMX one on AVX-512; else "
+                "blocked), blocked "
                 "(oneDNN's layout) or plain (oneDNN, and the native GEMV for decode steps of up "
                 "to 16 rows in fp32, 2 in bf16)"})
     cpu_kernels: bool = field(default=True, metadata={
@@ -309,12 +310,13 @@ class ClusterConfig:
                 "shared among the prefill workers; else off, as it needs the pools on one host)"})
     # Each pool's steps are one phase: fp32 prompts run fastest on oneDNN's blocked layout,
     # decode steps on the packed one (--cpu-weight-layout's default). bf16 prompts run as
-    # fast packed for AMX, and there the two pools compute alike (pool_layout).
+    # fast packed for AMX (faster for the AVX-512 bf16 kernels than on oneDNN), and there
+    # the two pools compute alike (pool_layout).
     prefill_weight_layout: str | None = field(default=None, metadata={
         "choices": CPU_WEIGHT_LAYOUTS,
         "help": "CPU, disaggregated or conditional: the prefill pool's weight layout (default: "
                 "blocked with fp32 weights, the faster for prompts there; --cpu-weight-layout "
-                "otherwise: in bf16 on AMX, packed is as fast, and prompts prefilled on "
+                "otherwise: in bf16, packed is as fast on AMX and faster on AVX-512 BF16, and prompts prefilled on "
                 "either pool then give the same tokens)"})
     decode_weight_layout: str | None = field(default=None, metadata={
         "choices": CPU_WEIGHT_LAYOUTS,

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from services.engine import LLM, SamplingParams
-from services.engine.model import amx_linear, cpu_features, cpu_kernels, packed_linear
+from services.engine.model import amx_linear, bf16_avx512_linear, cpu_features, cpu_kernels, packed_linear
 from services.engine.model.cpu_kernels import GEMV_MAX_ROWS
 from services.engine.model.decode_stack import DecodeStack
-from services.engine.model.onednn import AMX
+from services.engine.model.onednn import AMX, BF16_AVX512, PAIR_PACKED
 from tests.hf_models import write_hf_checkpoint
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler on this machine")
@@ -51,9 +51,12 @@ def _run(llm: LLM, n: int):
 
 
 # (layout, weight dtype, rows of the widest step run): plain weights take the GEMV's rows,
-# packed and int8 ones any (bf16 weights packed: the AMX layout, where the CPU has it)
+# packed and int8 ones any (bf16 weights packed: the AMX layout, where the CPU has it;
+# avx512-dot / -fma: packed as a CPU with AVX-512 BF16 but without AMX packs them, run by
+# vdpbf16ps or by the FMAs)
 CASES = [("plain", "float32", GEMV_MAX_ROWS), ("plain", "bfloat16", 2),
          ("packed", "float32", GEMV_MAX_ROWS + 8), ("packed", "bfloat16", GEMV_MAX_ROWS + 8),
+         ("avx512-dot", "bfloat16", GEMV_MAX_ROWS + 8), ("avx512-fma", "bfloat16", GEMV_MAX_ROWS + 8),
          ("int8", "float32", GEMV_MAX_ROWS + 8)]
 
 
@@ -66,8 +69,18 @@ def test_the_stack_writes_what_the_python_forward_writes(checkpoints, arch, layo
     if layout == "packed" and packed_linear.load() is None:
         pytest.skip("no AVX-512 or AVX2 + FMA: weights asked to be packed take oneDNN's layout")
     if (layout, dtype) == ("packed", "bfloat16") and amx_linear.load() is None:
-        pytest.skip("no AMX-BF16: bf16 weights asked to be packed take oneDNN's layout")
+        pytest.skip("no AMX-BF16: bf16 weights asked to be packed take another layout")
+    if layout.startswith("avx512"):
+        if bf16_avx512_linear.load() is None:
+            pytest.skip("no AVX-512 BF16")
+        kernels = bf16_avx512_linear.Bf16Avx512Kernels(cpu_kernels.load(), fma=layout == "avx512-fma")
+        monkeypatch.setattr(amx_linear, "load", lambda: None)  # as on a CPU without AMX
+        monkeypatch.setattr(bf16_avx512_linear, "load", lambda: kernels)
+        layout = "packed"
     native_llm, python_llm = (_engine(checkpoints[arch], dtype, layout) for _ in range(2))
+    if (layout, dtype) == ("packed", "bfloat16"):
+        assert native_llm.engine.runner.model.layers[0].qkv_proj.layout == \
+            (AMX if amx_linear.load() is not None else BF16_AVX512)
     stack = native_llm.engine.runner.model.decode_stack
     assert stack is not None and stack.max_rows == (rows if layout == "plain" else sys.maxsize)
     python_llm.engine.runner.model.decode_stack = None
@@ -91,8 +104,8 @@ def test_no_stack_where_it_cannot_run(checkpoints):
     assert _engine(checkpoints["llama3"], "float32", "blocked").engine.runner.model.decode_stack is None
     if cpu_features.has_native_bf16():
         bf16 = _engine(checkpoints["llama3"], "bfloat16", "packed").engine.runner.model
-        # bf16 packed: the AMX layout, which the stack runs, or blocked, which it cannot
-        assert (bf16.layers[0].qkv_proj.layout == AMX) == (bf16.decode_stack is not None)
+        # bf16 packed: a bf16 kernel's layout, which the stack runs, or blocked, which it cannot
+        assert (bf16.layers[0].qkv_proj.layout in PAIR_PACKED) == (bf16.decode_stack is not None)
     no_kernels = LLM(str(checkpoints["llama3"]), num_threads=2, max_model_len=256, num_blocks=64,
                      cpu_weight_layout="plain", cpu_kernels=False)
     assert no_kernels.engine.runner.model.decode_stack is None

@@ -18,9 +18,9 @@ from torch import nn
 
 from services.common.sampling_params import SamplingParams
 from services.engine.llm import LLM
-from services.engine.model import amx_linear, cpu_features, cpu_kernels, loader, packed_linear
+from services.engine.model import amx_linear, bf16_avx512_linear, cpu_features, cpu_kernels, loader, packed_linear
 from services.engine.model.cpu_kernels import GEMV_MAX_ROWS
-from services.engine.model.onednn import AMX, CpuLinear
+from services.engine.model.onednn import AMX, BF16_AVX512, CpuLinear
 from services.engine.model.quantized import Int8Linear
 from tests.hf_models import write_hf_checkpoint
 
@@ -31,6 +31,22 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [100, 200, 300, 400, 500] * 5, [42, 43], lis
 
 def _llm(path, **kw) -> LLM:
     return LLM(str(path), num_blocks=64, **kw)
+
+
+@pytest.fixture(params=[AMX, BF16_AVX512])
+def bf16_layout(request, monkeypatch) -> str:
+    """The packed layout of bf16 weights on each native bf16 CPU this one can stand for:
+    AMX where it has AMX-BF16; BF16_AVX512 where it has AVX-512 BF16, the engine then run as
+    on a CPU without AMX (no AMX linears, no AMX prompt attention)."""
+    if request.param == AMX:
+        if amx_linear.load() is None:
+            pytest.skip("no AMX-BF16 on this machine")
+    else:
+        if bf16_avx512_linear.load() is None:
+            pytest.skip("no AVX-512 BF16 on this machine")
+        monkeypatch.setattr(amx_linear, "load", lambda: None)
+        monkeypatch.setattr(cpu_features, "has_amx_bf16", lambda flags=None: False)
+    return request.param
 
 
 def _closeness(low: LLM, full: LLM) -> tuple[float, float]:
@@ -93,20 +109,17 @@ def test_a_tied_head_and_its_table_are_stored_once(tied_checkpoint, layout):
     torch.testing.assert_close(head(x), x @ reference.T, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.skipif(not cpu_features.has_native_bf16(), reason="no AVX-512 BF16 / AMX")
-def test_bf16_weights_and_kv_stay_close_to_fp32(checkpoint, fp32_llm):
+def test_bf16_weights_and_kv_stay_close_to_fp32(checkpoint, fp32_llm, bf16_layout):
     low = _llm(checkpoint, dtype="bfloat16")
     model = low.engine.runner.model
     assert low.engine.kv_cache.kv.dtype == torch.bfloat16
     assert {m.weight.dtype for m in model.modules() if isinstance(m, CpuLinear)} == {torch.bfloat16}
     # packed, the default, is asked for: bf16 weights take the AMX layout where the CPU has
-    # AMX-BF16 (every row count on its kernel), else oneDNN's blocked layout
+    # AMX-BF16, the same blocks for the AVX-512 kernels where it has AVX-512 BF16 (every row count
+    # on the native kernel; without either, oneDNN's blocked layout)
     linears = [m for m in model.layers.modules() if isinstance(m, CpuLinear)]
-    if amx_linear.load() is not None:
-        assert all(m.layout == AMX and m.packed is not None for m in linears)
-        assert low.engine.runner.model.decode_stack is not None  # decode steps in one native call
-    else:
-        assert all(m.blocked and m.native_rows == 0 for m in linears)
+    assert all(m.layout == bf16_layout and m.packed is not None for m in linears)
+    assert low.engine.runner.model.decode_stack is not None  # decode steps in one native call
     assert model.act_dtype == torch.float32
     assert model.weight_bytes() < 0.55 * fp32_llm.engine.runner.model.weight_bytes()
     agreement, gap = _closeness(low, fp32_llm)
@@ -121,14 +134,29 @@ def head_32_checkpoint(tmp_path_factory) -> Path:
     return write_model("small", tmp_path_factory.mktemp("small") / "model")  # 8 heads of 32
 
 
-@pytest.mark.skipif(amx_linear.load() is None, reason="no AMX-BF16 (oneDNN's bf16 sums can follow the rows)")
 @pytest.mark.parametrize("model", ["checkpoint", "head_32_checkpoint"])
-def test_a_bf16_prompt_computes_alike_whatever_chunks_it_is_cut_in(model, request):
+def test_a_bf16_prompt_computes_alike_whatever_chunks_it_is_cut_in(model, request, bf16_layout):
     """The token budget and the prefix cache cut prompts anywhere (a cache hit leaves rows
     of one block to compute): a prompt row's logits must not depend on the chunk it fell
-    in. On AMX every prompt chunk, one row too, takes the bf16 products of the AMX
-    attention where it takes the head size (32 here), else the fp32 math (16)."""
-    checkpoint = request.getfixturevalue(model)
+    in (on oneDNN's products they can: the native kernels' only). On AMX every prompt
+    chunk, one row too, takes the bf16 products of the AMX attention where it takes the
+    head size (32 here), else the fp32 math (16); without AMX, the fp32 math."""
+    _check_chunks(request.getfixturevalue(model), "bfloat16")
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler on this machine")
+@pytest.mark.parametrize("model", ["checkpoint", "head_32_checkpoint"])
+def test_an_fp32_prompt_computes_alike_whatever_chunks_it_is_cut_in(model, request, monkeypatch):
+    """The same in fp32, where the CPU has no AMX (on AMX, fp32 prompts never take it):
+    a one-row prompt chunk takes the prompt kernel, not the decode rows' (whose sums
+    differ in the last bits at head size 32)."""
+    monkeypatch.setattr(cpu_features, "has_amx_bf16", lambda flags=None: False)
+    _check_chunks(request.getfixturevalue(model), "float32")
+
+
+def _check_chunks(checkpoint: Path, dtype: str) -> None:
+    """The same tokens and logprobs for a prompt computed whole, in chunks of 16, 7 and 1
+    rows, and after prefix-cache hits."""
     prompt = list(range(60, 100))  # 40 tokens: two full blocks and a partial one
     sampling = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3)
 
@@ -138,21 +166,20 @@ def test_a_bf16_prompt_computes_alike_whatever_chunks_it_is_cut_in(model, reques
         out = request.outputs[0]
         return out.token_ids, [step.top for step in out.logprobs]
 
-    whole = run(_llm(checkpoint, dtype="bfloat16", enable_prefix_caching=False))
+    whole = run(_llm(checkpoint, dtype=dtype, enable_prefix_caching=False))
     for budget in (16, 7, 1):
-        llm = _llm(checkpoint, dtype="bfloat16", enable_prefix_caching=False, max_num_batched_tokens=budget)
+        llm = _llm(checkpoint, dtype=dtype, enable_prefix_caching=False, max_num_batched_tokens=budget)
         assert run(llm) == whole, budget
-    cached = _llm(checkpoint, dtype="bfloat16", enable_prefix_caching=True)
+    cached = _llm(checkpoint, dtype=dtype, enable_prefix_caching=True)
     assert run(cached) == whole
     assert run(cached, cached_tokens=32) == whole  # two blocks from the cache, 8 rows computed
 
 
-@pytest.mark.skipif(amx_linear.load() is None, reason="no AMX-BF16 on this machine")
-def test_bf16_pools_answer_a_near_tie_alike_and_as_fp32_does():
+def test_bf16_pools_answer_a_near_tie_alike_and_as_fp32_does(bf16_layout):
     """SmolLM2's first token for this question is a near-tie ("The" -1.883, "L" -1.965 in
     fp32) that bf16-rounded logits tie, the lower id ("L") winning: the prefill pool's
     blocked layers answered in French where the decode pool's packed ones said Paris. The
-    head is the same AMX head, unrounded, on both."""
+    head is the same native head, unrounded, on both."""
     question = [{"role": "user", "content": "What is the capital of France?"}]
     sampling = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2)
     answers = {}
@@ -263,10 +290,11 @@ def test_a_row_computes_alike_alone_and_in_a_batch(dtype, tol):
     torch.testing.assert_close(alone, layer(x), rtol=tol, atol=tol)
 
 
-def test_a_bf16_head_keeps_the_layers_layout_without_amx(monkeypatch):
+def test_a_bf16_head_keeps_the_layers_layout_without_native_bf16_kernels(monkeypatch):
     from services.engine.model import onednn
 
     monkeypatch.setattr(amx_linear, "load", lambda: None)
+    monkeypatch.setattr(bf16_avx512_linear, "load", lambda: None)
     for layout in ("packed", "blocked", "plain"):
         assert onednn.head_layout(layout, torch.bfloat16, True) == layout
     with pytest.raises(ValueError, match="CPU weight layout must be one of"):

@@ -37,24 +37,23 @@ def packed_numel(n: int, k: int) -> int:
     return ((n + 15) // 16 + 1) // 2 * 2 * ((k + 31) // 32) * 512
 
 
-class AmxLinearKernels:
-    """The packing and product entries of the loaded kernel library."""
+class PairPackedKernels:
+    """A product over bf16 weights packed in this module's layout (``pack``): the native
+    entry ``linear_entry`` (``tandem_amx_linear``'s signature) computes it; ``name`` says
+    which kernel in errors. The AMX kernels add the fused MLP (``AmxLinearKernels``);
+    ``bf16_avx512_linear`` runs the same layout on AVX-512."""
 
-    def __init__(self, kernels: CpuKernels) -> None:
+    name = "AMX"
+
+    def __init__(self, kernels: CpuKernels, linear_entry: str) -> None:
         lib = kernels.lib
         self._pack = bind(lib, "tandem_amx_pack_linear", None, _ptr, _ptr, _i64, _i64)
-        self._linear = bind(lib, "tandem_amx_linear", ctypes.c_int,
+        self._linear = bind(lib, linear_entry, ctypes.c_int,
                             _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, ctypes.c_int)
-        self._gate_up_silu = bind(lib, "tandem_amx_gate_up_silu", ctypes.c_int,
-                                  _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr)
-        self._fuses_gate_up = bind(lib, "tandem_amx_fuses_gate_up", ctypes.c_int, _i64)
-        self._fuses: dict[int, bool] = {}  # fuses_gate_up's answers, asked once per layer shape
-        self._mlp = bind(lib, "tandem_amx_mlp", ctypes.c_int,
-                         _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr)
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """``weight [N, K]`` bf16 -> its packed copy, flat (``packed_numel(N, K)`` elements)."""
-        return packed_copy(self._pack, weight, "AMX", torch.bfloat16,
+        return packed_copy(self._pack, weight, self.name, torch.bfloat16,
                            lambda n, k: (packed_numel(n, k),))
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
@@ -69,6 +68,49 @@ class AmxLinearKernels:
                                     None if bias is None else bias.data_ptr(), out.data_ptr(),
                                     int(round_output)))
         return out
+
+    def fuses_gate_up(self, n_out: int) -> bool:
+        """Whether a gate|up product of ``n_out`` outputs can end in its SiLU·mul
+        (``gate_up_silu``, AMX only)."""
+        return False
+
+    def _check(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n_out: int) -> None:
+        check_fp32_operands(f"{self.name} linears' inputs and bias", x, bias)
+        if x.dim() != 2:
+            raise ValueError(f"{self.name} linear: x {tuple(x.shape)} is not [M, K]")
+        self._check_weight(x.shape[1], packed, bias, n_out)
+
+    def _check_weight(self, k_in: int, packed: torch.Tensor, bias: torch.Tensor | None, n_out: int) -> None:
+        if packed.dtype != torch.bfloat16 or packed.numel() != packed_numel(n_out, k_in) \
+                or (bias is not None and bias.shape != (n_out,)):
+            raise ValueError(f"{self.name} linear: {k_in} inputs, {packed.numel()} packed elements, "
+                             f"{n_out} outputs do not fit")
+
+    def _done(self, rc: int) -> None:
+        """The kernel's return code: 0, -1 (no memory for its bf16 copy of the input), -2
+        (the CPU or, for AMX, this process lacks the instructions), -3 (a shape it does
+        not take)."""
+        if rc == -1:
+            raise MemoryError(f"the {self.name} linear could not allocate its bf16 input")
+        if rc == -2:
+            raise RuntimeError(f"the {self.name} linear cannot run on this CPU or in this process")
+        if rc != 0:
+            raise ValueError(f"the {self.name} linear refused its operands' shapes (code {rc})")
+
+
+class AmxLinearKernels(PairPackedKernels):
+    """The AMX tile products: every linear, and an MLP's gate|up with its SiLU·mul or the
+    whole MLP in one call."""
+
+    def __init__(self, kernels: CpuKernels) -> None:
+        super().__init__(kernels, "tandem_amx_linear")
+        lib = kernels.lib
+        self._gate_up_silu = bind(lib, "tandem_amx_gate_up_silu", ctypes.c_int,
+                                  _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr)
+        self._fuses_gate_up = bind(lib, "tandem_amx_fuses_gate_up", ctypes.c_int, _i64)
+        self._fuses: dict[int, bool] = {}  # fuses_gate_up's answers, asked once per layer shape
+        self._mlp = bind(lib, "tandem_amx_mlp", ctypes.c_int,
+                         _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr)
 
     def fuses_gate_up(self, n_out: int) -> bool:
         """Whether a gate|up product of ``n_out`` outputs can run as ``gate_up_silu`` (the
@@ -103,7 +145,7 @@ class AmxLinearKernels:
         if not self.fuses_gate_up(n_gate_up):
             raise ValueError(f"gate|up fusion needs whole 16-output blocks per half, got {n_gate_up}")
         self._check(x, gate_up, gate_up_bias, n_gate_up)
-        check_fp32_operands("AMX linears' inputs and bias", down_bias)
+        check_fp32_operands(f"{self.name} linears' inputs and bias", down_bias)
         self._check_weight(n_gate_up // 2, down, down_bias, n_out)
         out = x.new_empty(x.shape[0], n_out)
         if x.shape[0]:
@@ -112,31 +154,6 @@ class AmxLinearKernels:
                                  down.data_ptr(), n_out, None if down_bias is None else down_bias.data_ptr(),
                                  out.data_ptr()))
         return out
-
-    @staticmethod
-    def _check(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n_out: int) -> None:
-        check_fp32_operands("AMX linears' inputs and bias", x, bias)
-        if x.dim() != 2:
-            raise ValueError(f"AMX linear: x {tuple(x.shape)} is not [M, K]")
-        AmxLinearKernels._check_weight(x.shape[1], packed, bias, n_out)
-
-    @staticmethod
-    def _check_weight(k_in: int, packed: torch.Tensor, bias: torch.Tensor | None, n_out: int) -> None:
-        if packed.dtype != torch.bfloat16 or packed.numel() != packed_numel(n_out, k_in) \
-                or (bias is not None and bias.shape != (n_out,)):
-            raise ValueError(f"AMX linear: {k_in} inputs, {packed.numel()} packed elements, "
-                             f"{n_out} outputs do not fit")
-
-    @staticmethod
-    def _done(rc: int) -> None:
-        """The kernel's return code: 0, -1 (no memory for its bf16 tiles), -2 (no AMX tiles
-        for this process), -3 (a shape it does not take)."""
-        if rc == -1:
-            raise MemoryError("the AMX linear could not allocate its bf16 tiles")
-        if rc == -2:
-            raise RuntimeError("the AMX linear has no AMX tiles in this process")
-        if rc != 0:
-            raise ValueError(f"the AMX linear refused its operands' shapes (code {rc})")
 
 
 class AmxEmbedding(nn.Module):

@@ -7,7 +7,7 @@ the same kernels in the same order with the same roundings: the hidden states an
 KV written are bit-identical to the Python path's.
 
 It runs where every projection is a ``CpuLinear`` on a native kernel (packed fp32
-weights, the default, or bf16 weights packed for AMX, for any number of rows; or plain
+weights, the default, or bf16 weights packed for AMX or the AVX-512 bf16 kernels, for any number of rows; or plain
 weights on the GEMV, up to 16 rows with fp32 weights and 2 with bf16: oneDNN's blocked
 layout is opaque to C) or an ``Int8Linear`` on its packed kernel (any number of rows),
 the layers have no q/k norms and the embedding table is fp32 or
@@ -26,7 +26,7 @@ import torch
 from services.engine.model.attention import TorchPagedAttention
 from services.engine.model.cpu_kernels import CpuKernels, head_splits
 from services.engine.model.amx_linear import AmxEmbedding
-from services.engine.model.onednn import AMX, CpuLinear
+from services.engine.model.onednn import AMX, BF16_AVX512, CpuLinear
 from services.engine.model.packed_linear import PackedEmbedding
 from services.engine.model.quantized import Int8Linear
 
@@ -46,16 +46,22 @@ class _Layer(ctypes.Structure):
         "qkv_scale", "o_scale", "gate_up_scale", "down_scale")]
 
 
-# TANDEM_WEIGHTS_* in csrc/decode_stack.c: the (layout, dtype) of weights the stack runs
+# TANDEM_WEIGHTS_* in csrc/decode_stack.c: the (layout, dtype) of weights the stack runs,
+# and on BF16_AVX512 the kernel that runs them (vdpbf16ps, or FMAs over widened weights)
 _WEIGHTS = {("plain", torch.float32): 0, ("plain", torch.bfloat16): 1, ("packed", torch.float32): 2,
-            (AMX, torch.bfloat16): 3, ("int8", torch.int8): 4}
+            (AMX, torch.bfloat16): 3, ("int8", torch.int8): 4, (BF16_AVX512, torch.bfloat16): 5,
+            ("bf16-avx512-fma", torch.bfloat16): 6}
 
 
 def _weights_kind(lin: torch.nn.Module) -> tuple[str, torch.dtype] | None:
     """The ``_WEIGHTS`` key of a projection the stack can run (on a native kernel), else None."""
     if not isinstance(lin, (CpuLinear, Int8Linear)) or lin.native_rows == 0:
         return None
-    return ("int8", torch.int8) if isinstance(lin, Int8Linear) else (lin.layout, lin.weight.dtype)
+    if isinstance(lin, Int8Linear):
+        return "int8", torch.int8
+    if lin.layout == BF16_AVX512 and lin.packed.fma:
+        return "bf16-avx512-fma", lin.weight.dtype
+    return lin.layout, lin.weight.dtype
 
 
 def _weight_and_scale(lin: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:

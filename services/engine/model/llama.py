@@ -96,9 +96,9 @@ class LlamaModel(nn.Module):
         """CPU: every projection and the LM head as a ``CpuLinear`` with ``weight_dtype`` (fp32
         or bf16) weights, each stored once in ``layout`` (see onednn.py): packed for the
         native kernel; blocked for oneDNN; plain for oneDNN and the native GEMV for
-        decode-sized inputs. The LM head takes ``onednn.head_layout`` (bf16 on AMX: packed,
-        its logits unrounded). The embedding table takes ``weight_dtype`` too (rows are
-        widened on lookup). A tied head packed (fp32, or bf16 on AMX), the table is looked
+        decode-sized inputs. The LM head takes ``onednn.head_layout`` (bf16 on AMX or AVX-512
+        BF16: packed, its logits unrounded). The embedding table takes ``weight_dtype`` too
+        (rows are widened on lookup). A tied head packed (fp32, or bf16 in AMX's blocks), the table is looked
         up in the packed head (``PackedEmbedding``, ``AmxEmbedding``); in another layout the
         head shares the table, plain.
         ``native=False``: no native kernel (oneDNN for every input)."""
@@ -112,7 +112,7 @@ class LlamaModel(nn.Module):
         if not self.config.tie_word_embeddings:
             return
         stored = onednn.storage_layout(head_layout, weight_dtype, native)
-        if stored in ("packed", onednn.AMX):
+        if stored == "packed" or stored in onednn.PAIR_PACKED:
             self.lm_head = onednn.CpuLinear(table, None, weight_dtype, native, "packed", logits=True)
             # the plain table is dropped: stored once, packed
             self.embed_tokens = packed_linear.PackedEmbedding(self.lm_head.weight, table.shape[0]) \

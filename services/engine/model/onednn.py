@@ -11,29 +11,32 @@ Each weight is stored once, in one of three layouts (``--cpu-weight-layout``):
   native call (``decode_stack.py``). bf16 weights asked to be packed take the AMX layout
   where the CPU has AMX-BF16 (``amx_linear.py``: 16 x 32 blocks for the tile products,
   every row count, 1.0-2.6x the blocked layout's bf16 products with their conversions),
-  blocked elsewhere; all weights take blocked on CPUs without AVX-512 or AVX2 + FMA, or
-  without the native kernels.
+  the same blocks on AVX-512 where it has AVX-512 BF16 without AMX (``BF16_AVX512``:
+  ``bf16_avx512_linear.py``, every row count, batch-invariant; on an Intel Xeon limited
+  to it, batch-1 decode steps 2x oneDNN's), blocked elsewhere; all weights take blocked on
+  CPUs without AVX-512 or AVX2 + FMA, or without the native kernels.
 - **blocked**: oneDNN's ``_linear_pointwise`` on a weight reordered once into its blocked
   layout (``_reorder_linear_weight``, an opaque tensor): in bf16 it runs on AMX tiles.
 - **plain**: ``[out, in]`` as loaded; oneDNN, and the native GEMV (``cpu_kernels.gemv``,
   ``csrc/gemv.c``) for decode-sized inputs (up to 16 rows fp32, 2 bf16). A tied LM head
-  is the embedding table: packed (fp32, or bf16 on AMX, where a bf16 head always is), the
+  is the embedding table: packed (fp32, or bf16 where the CPU has AMX-BF16 or AVX-512 BF16,
+  where a bf16 head always is), the
   lookup reads the packed head (``packed_linear.PackedEmbedding``,
   ``amx_linear.AmxEmbedding``); otherwise the head reads the plain table.
 
 Activations stay fp32; with bf16 weights the input is rounded to bf16 for the
-product (oneDNN's, the AMX kernel's, or the GEMV's, which widens both to fp32) and the
+product (oneDNN's, the native bf16 kernels', or the GEMV's, which widens both to fp32) and the
 output to bf16, as oneDNN returns it, before it is fp32 again: every path rounds alike.
 The order of the sums is each path's own: the native kernels' does not depend on the
 row count (a row computes alike alone and in any batch), oneDNN's can (a row of
 SmolLM2's bf16 head product moved by a bf16 step with the batch's row count on an Intel
 Xeon with AMX). Results differ from MKL's only in float rounding.
 
-The LM head is the exception where the CPU has AMX-BF16: a bf16 head is packed for the
-AMX kernel whatever the layers' layout (``head_layout``) and returns its fp32 sums
-unrounded. Rounded, logits of 16-32 move in steps of 0.125, two near-tied tokens round
+The LM head is the exception where the CPU has AMX-BF16 or AVX-512 BF16: a bf16 head is
+packed for the native kernel whatever the layers' layout (``head_layout``) and returns its
+fp32 sums unrounded. Rounded, logits of 16-32 move in steps of 0.125, two near-tied tokens round
 to one value and the tie goes to the lower id; a pool on oneDNN's head and one on the
-AMX head then pick different first tokens for the same prompt.
+native head then pick different first tokens for the same prompt.
 """
 
 from __future__ import annotations
@@ -45,9 +48,12 @@ from torch import nn
 
 from services.common.config import CPU_WEIGHT_LAYOUTS as LAYOUTS
 from services.engine import huge_pages
-from services.engine.model import amx_linear, cpu_kernels, packed_linear
+from services.engine.model import amx_linear, bf16_avx512_linear, cpu_kernels, packed_linear
 
-AMX = "amx"  # the packed layout of bf16 weights on AMX (a storage layout, not an option)
+# storage layouts, not options: bf16 weights packed for AMX tiles, or the same blocks for
+# the AVX-512 kernels on a CPU with AVX-512 BF16 but without AMX
+AMX, BF16_AVX512 = "amx", "bf16-avx512"
+PAIR_PACKED = (AMX, BF16_AVX512)
 
 # Input rows up to which the GEMV beats oneDNN, per weight dtype (bf16 widens each
 # weight element, so it turns compute-bound sooner, and oneDNN has AMX for it).
@@ -68,7 +74,7 @@ class CpuLinear(nn.Module):
         """``weight [out, in]``; ``native``: the native kernels may run it; ``layout``:
         blocked | plain | packed (see ``storage_layout``); ``shared``: it is also read
         elsewhere (a tied LM head's embedding table), so it stays plain and is not copied;
-        ``logits``: an LM head, whose output the AMX kernel leaves unrounded."""
+        ``logits``: an LM head, whose output the bf16 kernels leave unrounded."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.packed_options: dict = {}  # the packed kernel's options, beyond its operands
@@ -77,8 +83,8 @@ class CpuLinear(nn.Module):
         if self.layout == "packed":
             self.packed = packed_linear.load()
             self.weight = self.packed.pack(plain)  # [ceil(out / 32), in, 32]
-        elif self.layout == AMX:
-            self.packed = amx_linear.load()
+        elif self.layout in PAIR_PACKED:
+            self.packed = amx_linear.load() if self.layout == AMX else bf16_avx512_linear.load()
             self.weight = self.packed.pack(plain)  # flat: 16 x 32 blocks
             self.packed_options = {"round_output": not logits}
         else:  # [out, in]: plain, or oneDNN's blocked layout (an opaque tensor)
@@ -140,11 +146,15 @@ def storage_layout(layout: str, dtype: torch.dtype, native: bool) -> str:
     """The layout a weight of ``dtype`` is stored in when ``layout`` (blocked | plain |
     packed) is asked for: packed needs the native kernels (``native``); in fp32 on a CPU
     with AVX-512 or AVX2 + FMA (``packed_linear.load()``), in bf16 on one with AMX-BF16
-    (``AMX``: ``amx_linear.load()``); otherwise it falls back to blocked."""
+    (``AMX``: ``amx_linear.load()``) or else AVX-512 BF16 (``BF16_AVX512``:
+    ``bf16_avx512_linear.load()``); otherwise it falls back to blocked."""
     if layout not in LAYOUTS:
         raise ValueError(f"CPU weight layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
-    if layout == "packed" and dtype == torch.bfloat16 and native and amx_linear.load() is not None:
-        return AMX
+    if layout == "packed" and dtype == torch.bfloat16 and native:
+        if amx_linear.load() is not None:
+            return AMX
+        if bf16_avx512_linear.load() is not None:
+            return BF16_AVX512
     if layout == "packed" and not (dtype == torch.float32 and native and packed_linear.load() is not None):
         return "blocked"
     return layout
@@ -152,10 +162,10 @@ def storage_layout(layout: str, dtype: torch.dtype, native: bool) -> str:
 
 def head_layout(layout: str, dtype: torch.dtype, native: bool) -> str:
     """The layout an LM head of ``dtype`` is asked for beside layers in ``layout``: packed
-    where that stores bf16 weights for AMX (the head's logits then come back unrounded, on
-    every pool whatever its layers' layout), else ``layout``."""
+    where that stores bf16 weights for a native kernel (the head's logits then come back
+    unrounded, on every pool whatever its layers' layout), else ``layout``."""
     storage_layout(layout, dtype, native)  # checks ``layout``
-    if dtype == torch.bfloat16 and storage_layout("packed", dtype, native) == AMX:
+    if dtype == torch.bfloat16 and storage_layout("packed", dtype, native) in PAIR_PACKED:
         return "packed"
     return layout
 

@@ -32,18 +32,11 @@
  * starts on a 16-output block. */
 int tandem_amx_fuses_gate_up(int64_t inter) { return inter > 0 && inter % 16 == 0; }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
-    defined(__AVX512BW__)
-#include "amx_tiles.h"
-
-#define A_PANEL_BYTES (512 * 1024)
-
-int tandem_amx_linear_supported(void) { return tandem_amx_permitted(); }
-
 static inline int64_t tandem_amx_pairs(int64_t N) {  /* pairs of 16-output blocks of N outputs */
     return ((N + 15) / 16 + 1) / 2;
 }
 
+/* The packed layout (plain C: bf16_avx512_linear.c reads it too, on CPUs without AMX). */
 void tandem_amx_pack_linear(const uint16_t *w, uint16_t *wp, int64_t N, int64_t K) {
     const int64_t Kb = (K + 31) / 32, Nb = 2 * tandem_amx_pairs(N);
 #pragma omp parallel for num_threads(tandem_team(Nb)) schedule(static)
@@ -58,6 +51,14 @@ void tandem_amx_pack_linear(const uint16_t *w, uint16_t *wp, int64_t N, int64_t 
                     }
         }
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
+    defined(__AVX512BW__)
+#include "amx_tiles.h"
+
+#define A_PANEL_BYTES (512 * 1024)
+
+int tandem_amx_linear_supported(void) { return tandem_amx_permitted(); }
 
 /* Where input (m, k) of a product's bf16 input tiles lies (Kb: 32-input blocks a row):
  * 16 rows x 32 inputs contiguous (1 KB) per tile, input-major within 16-row groups, so a
@@ -263,7 +264,6 @@ int tandem_amx_mlp(const float *x, int64_t M, int64_t K, const uint16_t *wgu, in
 
 #else  /* no AMX-BF16: never called (tandem_amx_linear_supported says no) */
 int tandem_amx_linear_supported(void) { return 0; }
-void tandem_amx_pack_linear(const uint16_t *w, uint16_t *wp, int64_t N, int64_t K) {}
 int tandem_amx_linear(const float *x, int64_t M, int64_t K, const uint16_t *wp, int64_t N,
                       const float *bias, float *out, int round_output) {
     return -2;

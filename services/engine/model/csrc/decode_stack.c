@@ -8,7 +8,8 @@
  *   x = the token ids' rows of the embedding table (widened from bf16)
  *   per layer: x += delta; h = RMSNorm(x)            (tandem_add_rms_norm_f32)
  *              qkv = h @ Wqkv.T + b                  (tandem_packed_linear_f32, tandem_gemv_*,
- *                                                     tandem_amx_linear or tandem_int8_linear_f32)
+ *                                                     tandem_amx_linear, tandem_bf16_*_linear
+ *                                                     or tandem_int8_linear_f32)
  *              RoPE on q, k; k, v into the cache     (tandem_rope_f32; a copy, or bf16 RNE)
  *              a = paged attention of q              (tandem_paged_decode_*)
  *              x += a @ Wo.T + b; h = RMSNorm(x)     (the same product, tandem_add_rms_norm_f32)
@@ -17,19 +18,21 @@
  *   then       x += delta; out = RMSNorm(x)
  *
  * With bf16 weights each product's input and output are rounded to bf16 (and widened),
- * as CpuLinear rounds them (on the GEMV here; the AMX kernel rounds them itself). Supports the layers the Python path has: biases on any
+ * as CpuLinear rounds them (on the GEMV here; the AMX and AVX-512 bf16 kernels round them
+ * themselves). Supports the layers the Python path has: biases on any
  * projection, GQA, a sliding window; not q/k norms (the caller keeps those in Python).
  *
  *   ids       [M] int64 token ids; embed [vocab, hidden] fp32 or bf16 (the stack's table),
  *             or a tied head's packed weight: [ceil(vocab / 32), hidden, 32] fp32
- *             (TANDEM_TABLE_PACKED) or bf16 in 16 x 32 blocks (TANDEM_TABLE_AMX, see amx_linear.c)
+ *             (TANDEM_TABLE_PACKED) or bf16 in 16 x 32 blocks (TANDEM_TABLE_AMX, see amx_linear.c;
+ *             with either bf16 kernel)
  *   x         [M, hidden] fp32 scratch (the residual stream), out [M, hidden] fp32
  *   positions [M] int64 (RoPE), slots [M] int64 (cache slot of each row's K/V)
  *   token_rows, last_pos [M] int64, block_table [M, table_stride] int64: the decode group
  *   kv        [layers, 2, num_blocks, block_size, KVH, D] fp32 or bf16 contiguous
  * Returns 0; -1 when a scratch buffer cannot be allocated or a product's kernel fails
  * (nothing written then, or the step's KV partly), -2 when M is out of range (nothing done): 1 .. TANDEM_GEMV_MAX_ROWS
- * on plain weights, any M >= 1 on packed, AMX and int8 ones; -3 when a token id is not in the table, a
+ * on plain weights, any M >= 1 on packed, AMX, AVX-512 bf16 and int8 ones; -3 when a token id is not in the table, a
  * token row not in 0 .. M - 1, a slot or a block a row reads not in the cache (nothing done).
  */
 #include <stdint.h>
@@ -40,10 +43,11 @@
 #include "kv_load.h"
 
 /* How the projections' weights are stored (``weights``): plain [out, in] fp32 or bf16
- * (the GEMV), packed fp32 (packed_linear.c), bf16 packed for AMX (amx_linear.c), or int8
- * packed the same way with one fp32 scale per output (int8_linear.c). */
+ * (the GEMV), packed fp32 (packed_linear.c), bf16 packed for AMX (amx_linear.c), int8
+ * packed as fp32 is with one fp32 scale per output (int8_linear.c), or bf16 packed as
+ * for AMX, run on vdpbf16ps or on FMAs over the widened weights (bf16_avx512_linear.c). */
 enum { TANDEM_WEIGHTS_F32, TANDEM_WEIGHTS_BF16, TANDEM_WEIGHTS_PACKED, TANDEM_WEIGHTS_AMX,
-       TANDEM_WEIGHTS_INT8 };
+       TANDEM_WEIGHTS_INT8, TANDEM_WEIGHTS_BF16_DOT, TANDEM_WEIGHTS_BF16_FMA };
 /* How the embedding table is stored (``table``): plain fp32 or bf16, or a tied head's packed weight. */
 enum { TANDEM_TABLE_F32, TANDEM_TABLE_BF16, TANDEM_TABLE_PACKED, TANDEM_TABLE_AMX };
 
@@ -73,7 +77,7 @@ static inline float round_trip_bf16(float f) {
 
 /* y [m, n] = x [m, k] @ w.T + bias (int8: (x @ w.T) * scale + bias), rounded as CpuLinear
  * rounds it; tmp holds m * k. On plain weights m is in the GEMV's range (checked on
- * entry), so it cannot refuse it. Returns 0, or -1 when the AMX kernel could not allocate
+ * entry), so it cannot refuse it. Returns 0, or -1 when a bf16 kernel could not allocate
  * its bf16 input. */
 static int linear(const tandem_stack *s, const float *x, int64_t m, int64_t k, const void *w,
                   const float *bias, const float *scale, float *y, int64_t n, float *tmp) {
@@ -83,6 +87,10 @@ static int linear(const tandem_stack *s, const float *x, int64_t m, int64_t k, c
             return 0;
         case TANDEM_WEIGHTS_AMX:
             return tandem_amx_linear(x, m, k, (const uint16_t *)w, n, bias, y, 1) == 0 ? 0 : -1;
+        case TANDEM_WEIGHTS_BF16_DOT:
+            return tandem_bf16_dot_linear(x, m, k, (const uint16_t *)w, n, bias, y, 1) == 0 ? 0 : -1;
+        case TANDEM_WEIGHTS_BF16_FMA:
+            return tandem_bf16_fma_linear(x, m, k, (const uint16_t *)w, n, bias, y, 1) == 0 ? 0 : -1;
         case TANDEM_WEIGHTS_PACKED:
             tandem_packed_linear_f32(x, (const float *)w, bias, y, m, n, k);
             return 0;

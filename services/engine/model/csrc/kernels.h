@@ -40,6 +40,14 @@ int tandem_amx_gate_up_silu(const float *x, int64_t M, int64_t K, const uint16_t
 int tandem_amx_mlp(const float *x, int64_t M, int64_t K, const uint16_t *wgu, int64_t inter,
                    const float *bgu, const uint16_t *wd, int64_t N, const float *bd, float *out);
 
+/* bf16_avx512_linear.c: tandem_amx_linear's product on the same packed weight, on
+ * vdpbf16ps or on FMAs over the widened weights (return -2 where the build has no
+ * AVX-512 BF16) */
+int tandem_bf16_dot_linear(const float *x, int64_t M, int64_t K, const uint16_t *wp, int64_t N,
+                           const float *bias, float *y, int round_output);
+int tandem_bf16_fma_linear(const float *x, int64_t M, int64_t K, const uint16_t *wp, int64_t N,
+                           const float *bias, float *y, int round_output);
+
 /* packed_linear.c */
 void tandem_pack_linear_f32(const float *w, float *packed, int64_t n_out, int64_t k_in);
 void tandem_packed_linear_f32(const float *x, const float *packed, const float *bias, float *y,

@@ -1,19 +1,77 @@
-"""bf16 linears on AMX tiles (where the CPU has AMX-BF16) against the bf16 product they
-stand for: x rounded to bf16, fp32 sums, bias added, each output rounded to bf16 (an LM
-head's left as the fp32 sums)."""
+"""bf16 linears on AMX tiles (where the CPU has AMX-BF16) and on AVX-512 (where it has
+AVX-512 BF16: vdpbf16ps and the FMAs over widened weights, each run as a CPU without AMX
+would) against the bf16 product they stand for: x rounded to bf16, fp32 sums, bias
+added, each output rounded to bf16 (an LM head's left as the fp32 sums). The fused MLP
+forms are AMX's alone."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from services.engine.model import amx_linear, cpu_kernels, onednn
+from services.engine.model import amx_linear, bf16_avx512_linear, cpu_features, cpu_kernels, onednn
 from services.engine.model.config import ModelConfig
 from services.engine.model.llama import LlamaModel
-from services.engine.model.onednn import AMX, CpuLinear
+from services.engine.model.onednn import AMX, BF16_AVX512, CpuLinear
 
-kernels = amx_linear.load()
-pytestmark = pytest.mark.skipif(kernels is None, reason="no AMX-BF16 on this machine")
+AMX_KERNELS, AVX512_KERNELS = amx_linear.load(), bf16_avx512_linear.load()
+no_amx = pytest.mark.skipif(AMX_KERNELS is None, reason="no AMX-BF16 on this machine")
+
+
+def _avx512(fma: bool) -> bf16_avx512_linear.Bf16Avx512Kernels:
+    if AVX512_KERNELS is None:
+        pytest.skip("no AVX-512 BF16 on this machine")
+    return bf16_avx512_linear.Bf16Avx512Kernels(cpu_kernels.load(), fma=fma)
+
+
+@pytest.fixture(params=["amx", "avx512-dot", "avx512-fma"])
+def pair(request, monkeypatch):
+    """(kernels, their storage layout) for each bf16 kernel this CPU runs; for the AVX-512
+    ones the engine picks its layouts and kernel as on a CPU without AMX that takes it."""
+    if request.param == "amx":
+        if AMX_KERNELS is None:
+            pytest.skip("no AMX-BF16 on this machine")
+        return AMX_KERNELS, AMX
+    kernels = _avx512(fma=request.param == "avx512-fma")
+    monkeypatch.setattr(amx_linear, "load", lambda: None)
+    monkeypatch.setattr(bf16_avx512_linear, "load", lambda: kernels)
+    return kernels, BF16_AVX512
+
+
+@pytest.mark.skipif(cpu_features.cpu_vendor() != "GenuineIntel", reason="vdpbf16ps as Intel defines it")
+def test_the_fmas_are_intels_vdpbf16ps():
+    """Two RNE FMAs a pair, the odd input's first: the sums of the dot products to the bit
+    (so either kernel could serve a machine of this maker), unrounded and rounded."""
+    dot, fma = _avx512(fma=False), _avx512(fma=True)
+    gen = torch.Generator().manual_seed(9)
+    for n, k in ((960, 576), (37, 70), (576, 1536)):
+        w, b = torch.randn(n, k, generator=gen).bfloat16(), torch.randn(n, generator=gen)
+        packed = dot.pack(w)
+        for m in (1, 7, 300):
+            x = torch.randn(m, k, generator=gen)
+            for rounded in (True, False):
+                assert torch.equal(dot.linear(x, packed, b, n, rounded), fma.linear(x, packed, b, n, rounded))
+
+
+def test_an_intel_cpu_takes_the_fmas_and_others_the_dot_products(monkeypatch):
+    if AVX512_KERNELS is None:
+        pytest.skip("no AVX-512 BF16 on this machine")
+    monkeypatch.delenv(bf16_avx512_linear.KERNEL_ENV, raising=False)
+    cases = [("GenuineIntel", None, True), ("AuthenticAMD", None, False), ("", None, False),
+             ("GenuineIntel", "dot", False), ("AuthenticAMD", "fma", True)]
+    try:
+        for vendor, chosen, fma in cases:
+            monkeypatch.setattr(cpu_features, "cpu_vendor", lambda v=vendor: v)
+            if chosen:
+                monkeypatch.setenv(bf16_avx512_linear.KERNEL_ENV, chosen)
+            bf16_avx512_linear.load.cache_clear()
+            assert bf16_avx512_linear.load().fma == fma, (vendor, chosen)
+        monkeypatch.setenv(bf16_avx512_linear.KERNEL_ENV, "amx")
+        bf16_avx512_linear.load.cache_clear()
+        with pytest.raises(ValueError, match="must be dot or fma"):
+            bf16_avx512_linear.load()
+    finally:
+        bf16_avx512_linear.load.cache_clear()
 
 
 def _one_layer_config(tied: bool) -> ModelConfig:
@@ -28,24 +86,33 @@ def _reference(x, w, b):
     return y.bfloat16().float()
 
 
+def _allowed(x, w, ref):
+    """How far a kernel's output may lie from ``_reference``: one bf16 step, plus what fp32
+    sums over K in another order than float64's can lose (K units of fp32 rounding of the
+    sum of |terms|: where the terms cancel, more than a step of the small result)."""
+    terms = x.bfloat16().double().abs() @ w.double().abs().T
+    return torch.finfo(torch.bfloat16).eps * ref.abs().clamp_min(1e-3) + \
+        x.shape[1] * torch.finfo(torch.float32).eps * terms.float()
+
+
 @pytest.mark.parametrize("n,k", [(960, 576), (37, 100), (48, 64), (576, 1536), (5, 31)])
 @pytest.mark.parametrize("m", [1, 5, 33, 300])
 @pytest.mark.parametrize("bias", [False, True])
-def test_the_product_is_the_bf16_product_within_its_rounding(n, k, m, bias):
+def test_the_product_is_the_bf16_product_within_its_rounding(n, k, m, bias, pair):
+    kernels = pair[0]
     gen = torch.Generator().manual_seed(n * k + m)
     w = torch.randn(n, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen) if bias else None
     x = torch.randn(m, k, generator=gen)
     got = kernels.linear(x, kernels.pack(w), b, n)
     ref = _reference(x, w, b)
-    # fp32 sums in another order than the float64 reference: at most one bf16 step apart
-    step = torch.finfo(torch.bfloat16).eps * ref.abs().clamp_min(1e-3)
-    assert ((got - ref).abs() <= step).all()
+    assert ((got - ref).abs() <= _allowed(x, w, ref)).all()
     assert (got == ref).float().mean() > 0.9
     assert torch.equal(got, got.bfloat16().float())  # every output a bf16 value
 
 
-def test_a_head_returns_the_fp32_sums_unrounded():
+def test_a_head_returns_the_fp32_sums_unrounded(pair):
+    kernels = pair[0]
     gen = torch.Generator().manual_seed(11)
     w, b = torch.randn(300, 576, generator=gen).bfloat16(), torch.randn(300, generator=gen)
     x = torch.randn(40, 576, generator=gen)
@@ -58,7 +125,7 @@ def test_a_head_returns_the_fp32_sums_unrounded():
     assert torch.equal(kernels.linear(x, packed, b, 300), sums.bfloat16().float())
 
 
-def test_a_near_tie_in_the_logits_goes_to_the_larger_logit():
+def test_a_near_tie_in_the_logits_goes_to_the_larger_logit(pair):  # on each kernel
     """Logits 20.02 and 20.05 round to one bf16 value (20.0; a step of 0.125 there), so a
     rounded head ties them and the lower id wins; the head's unrounded logits do not."""
     w = torch.zeros(2, 64)
@@ -75,8 +142,9 @@ def test_a_near_tie_in_the_logits_goes_to_the_larger_logit():
 
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("layout", ["packed", "blocked", "plain"])
-def test_a_bf16_lm_head_takes_the_amx_layout_whatever_the_layers_layout(tied, layout):
+def test_a_bf16_lm_head_takes_the_kernels_layout_whatever_the_layers_layout(tied, layout, pair):
     """So a pool gets the same unrounded logits whatever layout its layers take."""
+    kernels_layout = pair[1]
     cfg = _one_layer_config(tied=tied)
     torch.manual_seed(1)
     model, reference = LlamaModel(cfg), LlamaModel(cfg)
@@ -87,14 +155,15 @@ def test_a_bf16_lm_head_takes_the_amx_layout_whatever_the_layers_layout(tied, la
     assert onednn.head_layout(layout, torch.float32, True) == layout
     assert onednn.head_layout(layout, torch.bfloat16, False) == layout  # no native kernels
     head = model.lm_head
-    assert head.layout == AMX and head.packed_options == {"round_output": False}
+    assert head.layout == kernels_layout and head.packed_options == {"round_output": False}
     assert model.layers[0].down_proj.layout == onednn.storage_layout(layout, torch.bfloat16, True)
     assert isinstance(model.embed_tokens, amx_linear.AmxEmbedding) == tied
     hidden = torch.randn(3, 64)
     assert torch.equal(head(hidden), reference.lm_head(hidden))
 
 
-def test_a_row_gives_the_same_bits_alone_and_in_any_batch():
+def test_a_row_gives_the_same_bits_alone_and_in_any_batch(pair):
+    kernels = pair[0]
     gen = torch.Generator().manual_seed(3)
     w, b = torch.randn(200, 96, generator=gen).bfloat16(), torch.randn(200, generator=gen)
     packed = kernels.pack(w)
@@ -105,9 +174,11 @@ def test_a_row_gives_the_same_bits_alone_and_in_any_batch():
     assert kernels.linear(x[:0], packed, b, 200).shape == (0, 200)
 
 
+@no_amx
 @pytest.mark.parametrize("inter,k", [(16, 31), (48, 64), (1536, 576), (96, 1536)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_fused_gate_up_silu_is_bit_identical_to_the_product_then_silu_mul(inter, k, bias):
+    kernels = AMX_KERNELS
     gen = torch.Generator().manual_seed(inter + k)
     w = torch.randn(2 * inter, k, generator=gen).bfloat16()
     b = torch.randn(2 * inter, generator=gen) if bias else None
@@ -123,6 +194,7 @@ def test_the_fused_gate_up_silu_is_bit_identical_to_the_product_then_silu_mul(in
         kernels.gate_up_silu(x, kernels.pack(w[:2 * inter - 16]), None, 2 * inter - 16)
 
 
+@no_amx
 @pytest.mark.parametrize("inter,hidden", [(48, 64), (1536, 576), (32, 40), (80, 96)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("threads", [1, 3])
@@ -139,6 +211,7 @@ def test_an_mlp_in_one_call_is_bit_identical_to_its_three_steps(inter, hidden, b
 
 
 def _check_mlp(inter, hidden, bias):
+    kernels = AMX_KERNELS
     gen = torch.Generator().manual_seed(inter * hidden)
     wgu = torch.randn(2 * inter, hidden, generator=gen).bfloat16()
     wd = torch.randn(hidden, inter, generator=gen).bfloat16()
@@ -155,10 +228,11 @@ def _check_mlp(inter, hidden, bias):
 
 
 @pytest.mark.parametrize("threads", [1, 3, 5])
-def test_every_row_of_a_long_prompt_is_written_once_and_right(threads):
-    """Blocks are written out while the next item computes, a few rows per step over K:
-    every row of every block, across L2 panels and uneven splits over threads, lands where
-    it belongs."""
+def test_every_row_of_a_long_prompt_is_written_once_and_right(threads, pair):
+    """Blocks are written out while the next item computes (AMX), a few rows per step over
+    K, items run by L2 panels of rows: every row of every block, across panels and uneven
+    splits over threads, lands where it belongs."""
+    kernels = pair[0]
     gen = torch.Generator().manual_seed(5)
     before = torch.get_num_threads()
     try:
@@ -174,13 +248,13 @@ def test_every_row_of_a_long_prompt_is_written_once_and_right(threads):
             assert torch.equal(batch, rows)
             assert fused is None or torch.equal(fused, cpu_kernels.load().silu_mul(rows))
             ref = _reference(x, w, b)
-            step = torch.finfo(torch.bfloat16).eps * ref.abs().clamp_min(1e-3)
-            assert ((batch - ref).abs() <= step).all()
+            assert ((batch - ref).abs() <= _allowed(x, w, ref)).all()
     finally:
         torch.set_num_threads(before)
 
 
-def test_it_refuses_what_it_cannot_compute():
+def test_it_refuses_what_it_cannot_compute(pair):
+    kernels = pair[0]
     w = torch.randn(48, 64).bfloat16()
     with pytest.raises(ValueError, match="bf16 CPU weights"):
         kernels.pack(w.float())
@@ -191,14 +265,15 @@ def test_it_refuses_what_it_cannot_compute():
         kernels.linear(torch.randn(2, 64).bfloat16(), packed, None, 48)
 
 
-def test_a_bf16_cpu_linear_asked_to_be_packed_takes_the_amx_layout():
+def test_a_bf16_cpu_linear_asked_to_be_packed_takes_the_kernels_layout(pair):
+    layout = pair[1]
     w, b = torch.randn(100, 64), torch.randn(100)
-    assert onednn.storage_layout("packed", torch.bfloat16, True) == AMX
+    assert onednn.storage_layout("packed", torch.bfloat16, True) == layout
     assert onednn.storage_layout("packed", torch.bfloat16, False) == "blocked"  # no native kernels
     assert onednn.storage_layout("blocked", torch.bfloat16, True) == "blocked"
     lin = CpuLinear(w, b, torch.bfloat16, True, "packed")
     blocked = CpuLinear(w, b, torch.bfloat16, True, "blocked")
-    assert lin.layout == AMX and not lin.runs_on_onednn(1 << 20)
+    assert lin.layout == layout and not lin.runs_on_onednn(1 << 20)
     x = torch.randn(3, 7, 64)
     got, ref = lin(x), blocked(x)
     assert got.shape == ref.shape == (3, 7, 100) and got.dtype == torch.float32
@@ -207,7 +282,8 @@ def test_a_bf16_cpu_linear_asked_to_be_packed_takes_the_amx_layout():
 
 
 @pytest.mark.parametrize("vocab,dim", [(1, 24), (16, 64), (100, 576), (37, 33)])
-def test_an_embedding_reads_the_plain_tables_rows_from_the_packed_weight(vocab, dim):
+def test_an_embedding_reads_the_plain_tables_rows_from_the_packed_weight(vocab, dim, pair):
+    kernels = pair[0]
     table = torch.randn(vocab, dim, generator=torch.Generator().manual_seed(vocab)).bfloat16()
     embed = amx_linear.AmxEmbedding(kernels.pack(table), vocab, dim)
     every = torch.arange(vocab)
@@ -222,9 +298,10 @@ def test_an_embedding_reads_the_plain_tables_rows_from_the_packed_weight(vocab, 
         amx_linear.AmxEmbedding(kernels.pack(table), vocab + 32, dim)
 
 
-def test_a_tied_bf16_head_is_stored_once_in_the_amx_layout():
-    """The head streams the AMX-packed table and the lookup reads that same tensor: the
+def test_a_tied_bf16_head_is_stored_once_in_the_kernels_layout(pair):
+    """The head streams the packed table and the lookup reads that same tensor: the
     plain table's rows, and its logits within the bf16 rounding."""
+    layout = pair[1]
     cfg = _one_layer_config(tied=True)
     torch.manual_seed(0)
     packed, plain = LlamaModel(cfg), LlamaModel(cfg)
@@ -233,7 +310,7 @@ def test_a_tied_bf16_head_is_stored_once_in_the_amx_layout():
     packed.use_onednn(torch.bfloat16, layout="packed")
     plain.use_onednn(torch.bfloat16, native=False, layout="blocked")  # oneDNN's head, rounded
     embed, head = packed.embed_tokens, packed.lm_head
-    assert isinstance(embed, amx_linear.AmxEmbedding) and head.layout == AMX
+    assert isinstance(embed, amx_linear.AmxEmbedding) and head.layout == layout
     assert embed.weight is head.weight  # stored once
     assert not any(p.shape == table.shape for p in packed.parameters())
     ids = torch.tensor([0, 5, 99])
