@@ -260,9 +260,12 @@ def main(args: argparse.Namespace) -> int:
     vocab = min(llm.engine.model_config.vocab_size, llm.tokenizer.vocab_size)
     prompts = _prompts(args.num_prompts, args.input_len, vocab, args.seed)
     total_out = args.num_prompts * args.output_len
+    # the layout the weights took (packed bf16: a native bf16 kernel's, or oneDNN's blocked)
+    first = getattr(llm.engine.runner.model.layers[0], "qkv_proj", None)
+    layout = getattr(first, "layout", args.cpu_weight_layout)
     result: dict = dict(model=path, num_prompts=args.num_prompts, input_len=args.input_len,
                         output_len=args.output_len, threads=args.threads, dtype=args.dtype,
-                        cpu_weight_layout=args.cpu_weight_layout)
+                        cpu_weight_layout=layout)
 
     sampling = dict(temperature=args.temperature, top_p=args.top_p)
     result.update(sampling)
@@ -272,7 +275,7 @@ def main(args: argparse.Namespace) -> int:
         t_hf, hf_tokens = bench_hf(path, prompts, args.output_len, **sampling)
         result["hf_tok_s"] = total_out / t_hf
         result["ratio"] = result["tandem_tok_s"] / result["hf_tok_s"]
-        if args.temperature == 0:
+        if args.temperature == 0 and args.dtype == "float32":  # the baseline runs in fp32
             result["greedy_identical"] = sum(a == b for a, b in zip(engine_tokens, hf_tokens))
 
     weights = llm.engine.runner.model.weight_bytes(include_embedding=False)  # read per step
@@ -286,13 +289,14 @@ def main(args: argparse.Namespace) -> int:
     print(runinfo.machine_line())
     print(f"model {path}: {args.num_prompts} prompts x ({args.input_len} in, "
           f"{args.output_len} out), {args.threads} threads, {args.dtype} "
-          f"({args.cpu_weight_layout} layout asked), "
+          f"({layout} layout), "
           f"{side_by_side.sampling_label(args.temperature, args.top_p)}")
     print(f"  tandem engine       {result['tandem_tok_s']:8.1f} output tok/s")
     if "hf_tok_s" in result:
         print(f"  transformers batch  {result['hf_tok_s']:8.1f} output tok/s")
         same = (f"greedy outputs identical: {result['greedy_identical']}/{args.num_prompts}"
-                if "greedy_identical" in result else "sampled: outputs not compared")
+                if "greedy_identical" in result else "sampled: outputs not compared"
+                if args.temperature else f"{args.dtype} against fp32: outputs not compared")
         print(f"  ratio               {result['ratio']:8.2f}x  ({same})")
     print(f"  decode step, batch 1: {step_ms:.2f} ms (median); floor {floor_ms:.2f} ms "
           f"({weights / 1e6:.0f} MB weights + {kv / 1e6:.0f} MB K/V at {bw:.1f} GB/s, the median read "

@@ -95,7 +95,7 @@ def machine_line() -> str:
     """One line for a benchmark's printed figures: CPU model, usable cores, load average now."""
     m = machine()
     load = "/".join(f"{x:.2f}" for x in m["load_avg_at_start"]) if m["load_avg_at_start"] else "?"
-    hidden = os.environ.get("TANDEM_CPU_FLAGS_OFF", "").strip()  # cpu_features.cpu_flags
+    hidden = ",".join(sorted(cpu_features.hidden_flags()))
     return (f"machine: {m['cpu'] or m['machine']}, {m['cpus_usable'] or m['cpu_count']} usable cores, "
             f"load average {load} (1/5/15 min)"
             + (f", run as without CPU flags {hidden} (TANDEM_CPU_FLAGS_OFF)" if hidden else ""))

@@ -70,6 +70,7 @@ def test_the_stack_writes_what_the_python_forward_writes(checkpoints, arch, layo
         pytest.skip("no AVX-512 or AVX2 + FMA: weights asked to be packed take oneDNN's layout")
     if (layout, dtype) == ("packed", "bfloat16") and amx_linear.load() is None:
         pytest.skip("no AMX-BF16: bf16 weights asked to be packed take another layout")
+    case = layout
     if layout.startswith("avx512"):
         if bf16_avx512_linear.load() is None:
             pytest.skip("no AVX-512 BF16")
@@ -83,6 +84,8 @@ def test_the_stack_writes_what_the_python_forward_writes(checkpoints, arch, layo
             (AMX if amx_linear.load() is not None else BF16_AVX512)
     stack = native_llm.engine.runner.model.decode_stack
     assert stack is not None and stack.max_rows == (rows if layout == "plain" else sys.maxsize)
+    if case.startswith("avx512"):  # the C kernel the stack calls is the one Python runs
+        assert stack._stack.weights == (6 if case == "avx512-fma" else 5)
     python_llm.engine.runner.model.decode_stack = None
     steps = _stack_steps(monkeypatch)
     native, native_kv = _run(native_llm, rows)

@@ -10,11 +10,12 @@ import asyncio
 from dataclasses import replace
 
 import pytest
+import torch
 
 from services.cluster.cluster import Cluster
 from services.common.sampling_params import SamplingParams
 from services.engine import LLM
-from services.engine.model import amx_linear, quantized
+from services.engine.model import onednn, quantized
 from tests.integration.test_cluster import (GREEDY, LENGTHS, _config, block_bytes, prompts,  # noqa: F401
                                            run_all, wait_all_free)
 
@@ -24,7 +25,12 @@ KV_BYTES_PER_FP32 = {"bf16": 0.5, "int8": 1.0}  # int8 quantizes weights only
 
 LOCAL_BELOW = 20  # conditional mode: shorter prompts prefill on the decode worker
 # where each precision's kernels compute a row alike in any batch
-BIT_EXACT = {"bf16": lambda: amx_linear.load() is not None, "int8": lambda: quantized.load() is not None}
+def _native_bf16() -> bool:
+    """bf16 weights packed for a native kernel (AMX, or AVX-512 without it), not oneDNN's."""
+    return onednn.storage_layout("packed", torch.bfloat16, True) in onednn.PAIR_PACKED
+
+
+BIT_EXACT = {"bf16": _native_bf16, "int8": lambda: quantized.load() is not None}
 SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=6, ignore_eos=True, logprobs=2)
 
 
@@ -70,7 +76,7 @@ def test_cluster_serves_the_offline_tokens(ray_session, checkpoint, prompts, mod
             assert cluster.router.decisions["local_short_prompt"] == sum(n < LOCAL_BELOW for n in LENGTHS) > 0
         # the pools compute a prompt as the offline engine does, in any chunks and batches:
         # the prompts' blocks are in the prefix cache now, so this run computes fewer rows of
-        # each (bf16 without AMX runs on oneDNN, whose sums can follow the batch's rows)
+        # each (bf16 without a native bf16 kernel runs on oneDNN, whose sums can follow the batch's rows)
         if BIT_EXACT[precision]():
             assert _run_seeded(cluster, prompts) == seeded
     finally:
@@ -84,11 +90,12 @@ def wider_model(tmp_path_factory) -> str:
     return str(write_model("small", tmp_path_factory.mktemp("small") / "model"))  # 256 wide, heads of 32
 
 
-@pytest.mark.skipif(amx_linear.load() is None, reason="no AMX-BF16 on this machine")
+@pytest.mark.skipif(not _native_bf16(), reason="no AMX-BF16 or AVX-512 BF16 on this machine")
 @pytest.mark.parametrize("mode", ["disaggregated", "conditional"])
 def test_bf16_pools_serve_the_offline_bits(ray_session, wider_model, prompts, mode):  # noqa: F811
-    """Heads of 32, so prompt attention runs on AMX where the CPU has it: the prefill pool
-    computes what the decode pool and the offline engine do, in any batch. (On oneDNN's
+    """Heads of 32, so prompt attention runs on AMX where the CPU has it (else the native
+    prompt kernel): the prefill pool computes what the decode pool and the offline engine
+    do, in any batch, on either native bf16 kernel. (On oneDNN's
     blocked bf16 layout a row's sums can follow its batch's row count: a one-token prompt,
     a cache hit's few rows; this failed on 2 of 7 runs with the prefill pool blocked.)"""
     seeded = [_bits(o.outputs[0].token_ids, o.outputs[0].logprobs)

@@ -160,7 +160,8 @@ def test_the_engine_alone_runs_in_the_dtype_asked(tmp_path, tiny_model_dir, caps
     full, half = run("float32"), run("bfloat16")
     assert (full["dtype"], half["dtype"]) == ("float32", "bfloat16")
     assert half["weight_mb"] == pytest.approx(full["weight_mb"] / 2, rel=0.05)  # bf16 blocks pad a little
-    assert "threads, bfloat16 (packed layout asked)" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "threads, float32 (packed layout)" in printed and "threads, bfloat16 (" in printed
 
 
 def test_sampled_runs_ask_both_sides_to_sample_and_compare_no_outputs(tmp_path, tiny_model_dir, capsys):

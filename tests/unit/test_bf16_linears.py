@@ -86,13 +86,16 @@ def _reference(x, w, b):
     return y.bfloat16().float()
 
 
-def _allowed(x, w, ref):
-    """How far a kernel's output may lie from ``_reference``: one bf16 step, plus what fp32
-    sums over K in another order than float64's can lose (K units of fp32 rounding of the
-    sum of |terms|: where the terms cancel, more than a step of the small result)."""
+def _allowed(x, w, ref, kernels):
+    """How far a kernel's output may lie from ``_reference``: one bf16 step; on AVX-512,
+    where each output is one fp32 chain over K, plus what such a chain can lose against
+    float64 (K units of fp32 rounding of the sum of |terms|: where the terms cancel, more
+    than a step of the small result)."""
+    step = torch.finfo(torch.bfloat16).eps * ref.abs().clamp_min(1e-3)
+    if kernels is AMX_KERNELS:
+        return step
     terms = x.bfloat16().double().abs() @ w.double().abs().T
-    return torch.finfo(torch.bfloat16).eps * ref.abs().clamp_min(1e-3) + \
-        x.shape[1] * torch.finfo(torch.float32).eps * terms.float()
+    return step + x.shape[1] * torch.finfo(torch.float32).eps * terms.float()
 
 
 @pytest.mark.parametrize("n,k", [(960, 576), (37, 100), (48, 64), (576, 1536), (5, 31)])
@@ -106,7 +109,7 @@ def test_the_product_is_the_bf16_product_within_its_rounding(n, k, m, bias, pair
     x = torch.randn(m, k, generator=gen)
     got = kernels.linear(x, kernels.pack(w), b, n)
     ref = _reference(x, w, b)
-    assert ((got - ref).abs() <= _allowed(x, w, ref)).all()
+    assert ((got - ref).abs() <= _allowed(x, w, ref, kernels)).all()
     assert (got == ref).float().mean() > 0.9
     assert torch.equal(got, got.bfloat16().float())  # every output a bf16 value
 
@@ -248,7 +251,7 @@ def test_every_row_of_a_long_prompt_is_written_once_and_right(threads, pair):
             assert torch.equal(batch, rows)
             assert fused is None or torch.equal(fused, cpu_kernels.load().silu_mul(rows))
             ref = _reference(x, w, b)
-            assert ((batch - ref).abs() <= _allowed(x, w, ref)).all()
+            assert ((batch - ref).abs() <= _allowed(x, w, ref, kernels)).all()
     finally:
         torch.set_num_threads(before)
 

@@ -22,6 +22,7 @@ def test_flags_named_off_are_not_seen(monkeypatch, fresh_flags):
     monkeypatch.setenv("TANDEM_CPU_FLAGS_OFF", " sse2, fpu ,,not_a_flag")
     hidden = cpu_features.cpu_flags()
     assert hidden == every - {"sse2", "fpu"}
+    assert cpu_features.proc_flags() == every  # what the native kernels are compiled for
 
 
 def test_without_amx_flags_no_amx_path_is_taken(monkeypatch, fresh_flags):

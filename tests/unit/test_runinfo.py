@@ -41,7 +41,8 @@ def test_the_machine_line_names_this_cpu():
 
 
 def test_the_machine_line_says_which_cpu_flags_a_run_hid(monkeypatch):
-    monkeypatch.setenv("TANDEM_CPU_FLAGS_OFF", "amx_bf16,amx_tile")
+    monkeypatch.setenv("TANDEM_CPU_FLAGS_OFF", "amx_tile, amx_bf16")
     assert runinfo.machine_line().endswith(", run as without CPU flags amx_bf16,amx_tile (TANDEM_CPU_FLAGS_OFF)")
-    monkeypatch.delenv("TANDEM_CPU_FLAGS_OFF")
-    assert "TANDEM_CPU_FLAGS_OFF" not in runinfo.machine_line()
+    for nothing in (",", " "):
+        monkeypatch.setenv("TANDEM_CPU_FLAGS_OFF", nothing)
+        assert "TANDEM_CPU_FLAGS_OFF" not in runinfo.machine_line()

@@ -1,4 +1,6 @@
-"""bf16 linears on AMX tiles (``csrc/amx_linear.c``): the packed layout for bf16 weights.
+"""bf16 linears on AMX tiles (``csrc/amx_linear.c``): the packed layout for bf16 weights,
+which the AVX-512 bf16 kernels read too (``bf16_avx512_linear``; ``PairPackedKernels``,
+their common product).
 
 A weight ``[N, K]`` bf16 is packed once into 1 KB blocks of 16 outputs x 32 inputs in the
 tile product's pair-interleaved layout. A call rounds its fp32 input to bf16, accumulates

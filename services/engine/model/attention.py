@@ -144,7 +144,7 @@ class TorchPagedAttention:
                 amx = False  # the native fp32 math, as decode rows: a bf16 SDPA's sums follow the chunk
             prefill = native and self.kernels.prefill_supported(head_dim, amx)
             # one-row groups on the decode kernel, but a prompt's as its other chunks compute
-            if native and not amx and g.token_index.shape[1] == 1 and not (g.prompt and prefill):
+            if native and g.token_index.shape[1] == 1 and not (g.prompt and prefill):
                 self.kernels.paged_decode(q, out, g.token_rows, k_cache, v_cache,
                                           g.block_table, g.last_pos, self.sliding_window,
                                           self.scale)

@@ -30,7 +30,7 @@ class Bf16Avx512Kernels(PairPackedKernels):
 
     def __init__(self, kernels: cpu_kernels.CpuKernels, fma: bool) -> None:
         self.fma = fma
-        self.name = "AVX-512 FMA bf16" if fma else "AVX-512 BF16"
+        self.name = "AVX-512 bf16 (FMA)" if fma else "AVX-512 bf16 (vdpbf16ps)"
         super().__init__(kernels, "tandem_bf16_fma_linear" if fma else "tandem_bf16_dot_linear")
 
 

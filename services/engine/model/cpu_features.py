@@ -10,19 +10,30 @@ BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 
 @cache
-def cpu_flags() -> frozenset[str]:
-    """The ``flags`` of /proc/cpuinfo's first processor (empty where it cannot be read),
-    less those named in ``TANDEM_CPU_FLAGS_OFF`` (comma-separated: the engine then runs as
-    on a CPU without them, e.g. ``amx_bf16`` to time the paths of one without AMX)."""
-    off = frozenset(f.strip() for f in os.environ.get("TANDEM_CPU_FLAGS_OFF", "").split(",") if f.strip())
+def proc_flags() -> frozenset[str]:
+    """The ``flags`` of /proc/cpuinfo's first processor (empty where it cannot be read):
+    what ``-march=native`` compiles for."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split()) - off
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
     return frozenset()
+
+
+def hidden_flags() -> frozenset[str]:
+    """The flags named in ``TANDEM_CPU_FLAGS_OFF`` (comma-separated)."""
+    return frozenset(f.strip() for f in os.environ.get("TANDEM_CPU_FLAGS_OFF", "").split(",") if f.strip())
+
+
+@cache
+def cpu_flags() -> frozenset[str]:
+    """The flags the engine picks its paths by: ``proc_flags`` less ``hidden_flags`` (the
+    engine then takes the paths of a CPU without them, e.g. ``amx_bf16`` for one without
+    AMX; the native kernels are still compiled for this CPU)."""
+    return proc_flags() - hidden_flags()
 
 
 @cache

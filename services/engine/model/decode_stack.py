@@ -46,11 +46,13 @@ class _Layer(ctypes.Structure):
         "qkv_scale", "o_scale", "gate_up_scale", "down_scale")]
 
 
+# BF16_AVX512 weights on the FMA kernel (a kind of weights the stack runs, not a layout)
+_BF16_AVX512_FMA = "bf16-avx512-fma"
 # TANDEM_WEIGHTS_* in csrc/decode_stack.c: the (layout, dtype) of weights the stack runs,
 # and on BF16_AVX512 the kernel that runs them (vdpbf16ps, or FMAs over widened weights)
 _WEIGHTS = {("plain", torch.float32): 0, ("plain", torch.bfloat16): 1, ("packed", torch.float32): 2,
             (AMX, torch.bfloat16): 3, ("int8", torch.int8): 4, (BF16_AVX512, torch.bfloat16): 5,
-            ("bf16-avx512-fma", torch.bfloat16): 6}
+            (_BF16_AVX512_FMA, torch.bfloat16): 6}
 
 
 def _weights_kind(lin: torch.nn.Module) -> tuple[str, torch.dtype] | None:
@@ -60,7 +62,7 @@ def _weights_kind(lin: torch.nn.Module) -> tuple[str, torch.dtype] | None:
     if isinstance(lin, Int8Linear):
         return "int8", torch.int8
     if lin.layout == BF16_AVX512 and lin.packed.fma:
-        return "bf16-avx512-fma", lin.weight.dtype
+        return _BF16_AVX512_FMA, lin.weight.dtype
     return lin.layout, lin.weight.dtype
 
 

@@ -28,7 +28,7 @@ FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fope
 
 def _cpu_id() -> str:
     """The CPU's flags (what ``-march=native`` compiles for), or its name where unknown."""
-    return " ".join(sorted(cpu_features.cpu_flags())) or platform.processor()
+    return " ".join(sorted(cpu_features.proc_flags())) or platform.processor()
 
 
 def build(compiler: str) -> Path:

@@ -59,11 +59,11 @@ class NativeLayerOps(TorchLayerOps):
 
     def mlp(self, h: torch.Tensor, gate_up: torch.nn.Module,
             down: torch.nn.Module) -> torch.Tensor:
-        """On packed weights the gate|up product and SiLU·mul are one native call (the
-        product is not written out; the same values); on AMX weights the down product joins
-        that call (the SiLU·mul handed over in bf16, as ``down`` rounds it). With bf16 weights
-        on oneDNN, gate|up
-        stays bf16 into SiLU·mul and its bf16 result goes to ``down`` as is: the values
+        """On packed fp32 and AMX weights the gate|up product and SiLU·mul are one native
+        call (the product is not written out; the same values); on AMX weights the down
+        product joins that call (the SiLU·mul handed over in bf16, as ``down`` rounds it);
+        the AVX-512 bf16 kernels run the two products and SiLU·mul apart. With bf16 weights
+        on oneDNN, gate|up stays bf16 into SiLU·mul and its bf16 result goes to ``down`` as is: the values
         ``down`` would get from the widened product (it rounds its input to bf16 anyway), in
         half the memory traffic."""
         rows = h.shape[0]

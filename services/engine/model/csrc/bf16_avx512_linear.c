@@ -197,7 +197,8 @@ static int run(const float *x, int64_t M, int64_t K, const uint16_t *wp, int64_t
     if (panel < 1) panel = 1;
     void *a = aligned_alloc(64, (size_t)(M * row_bytes));
     if (a == NULL) return -1;
-    const int64_t items = tiles * groups, raw = !round_output;
+    const int64_t items = tiles * groups;
+    const int raw = !round_output;
 #pragma omp parallel num_threads(tandem_team(items > M ? items : M))
     {
         copy_input(x, M, K, Kb, a, fma);  /* its loop ends at a barrier */
@@ -210,9 +211,9 @@ static int run(const float *x, int64_t M, int64_t K, const uint16_t *wp, int64_t
             const int64_t m0 = t * MR, nb0 = g * nb;
             const int mr = (int)(M - m0 < MR ? M - m0 : MR), n = (int)(blocks - nb0 < nb ? blocks - nb0 : nb);
             if (fma)
-                item_fma((const float *)a, Kb * 32, wp, Kb, m0, mr, nb0, n, bias, y, N, (int)raw);
+                item_fma((const float *)a, Kb * 32, wp, Kb, m0, mr, nb0, n, bias, y, N, raw);
             else
-                item_dot((const uint32_t *)a, Kb * 16, wp, Kb, m0, mr, nb0, n, bias, y, N, (int)raw);
+                item_dot((const uint32_t *)a, Kb * 16, wp, Kb, m0, mr, nb0, n, bias, y, N, raw);
         }
     }
     free(a);
