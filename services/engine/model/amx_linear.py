@@ -45,7 +45,7 @@ class PairPackedKernels:
     which kernel in errors. The AMX kernels add the fused MLP (``AmxLinearKernels``);
     ``bf16_avx512_linear`` runs the same layout on AVX-512."""
 
-    name = "AMX"
+    name: str  # the kernel, as errors name it (each subclass sets it)
 
     def __init__(self, kernels: CpuKernels, linear_entry: str) -> None:
         lib = kernels.lib
@@ -103,6 +103,8 @@ class PairPackedKernels:
 class AmxLinearKernels(PairPackedKernels):
     """The AMX tile products: every linear, and an MLP's gate|up with its SiLU·mul or the
     whole MLP in one call."""
+
+    name = "AMX"
 
     def __init__(self, kernels: CpuKernels) -> None:
         super().__init__(kernels, "tandem_amx_linear")

@@ -9,9 +9,9 @@
  * Two kernels read it, each output one fp32 sum over the pairs in order, per pair the odd
  * input's product added first, then the even one's:
  *   - tandem_bf16_dot_linear: vdpbf16ps, a broadcast input pair times a weight vector
- *     (AMD Zen 4+, where it does twice the multiply-adds of an fp32 FMA);
+ *     (AMD: on a Zen 4, oneDNN's vdpbf16ps prompts ran 1.45-1.6x as fast as fp32);
  *   - tandem_bf16_fma_linear: fp32 FMAs on the weights widened in registers and x rounded
- *     to bf16 (Intel, where vdpbf16ps runs at half the FMAs' rate). Products of bf16
+ *     to bf16 (Intel: vdpbf16ps ran at half the FMAs' rate on a Xeon). Products of bf16
  *     values are exact in fp32, so these are vdpbf16ps's sums as Intel defines them (two
  *     RNE FMAs a pair, odd input first), but for denormals, which vdpbf16ps flushes.
  * A call copies x rounded to bf16 (pairs for the dot products, widened for the FMAs,
@@ -62,52 +62,44 @@ static inline __attribute__((always_inline)) void store(
     }
 }
 
-/* Rows m0 .. m0 + mr - 1 times blocks nb0 .. nb0 + nb - 1 on vdpbf16ps; ``a`` [M, Kp2]
- * input pairs. mr and nb are constants where it is inlined: the accumulators stay in
- * registers. */
-static inline __attribute__((always_inline)) void tile_dot(
-        const uint32_t *a, int64_t Kp2, const uint16_t *wp, int64_t Kb, int64_t m0, int mr,
-        int64_t nb0, int nb, const float *bias, float *y, int64_t N, int raw) {
+/* Rows m0 .. m0 + mr - 1 times blocks nb0 .. nb0 + nb - 1, over Kb * 16 input pairs:
+ * on vdpbf16ps, ``a`` [M, pairs] x's bf16 pairs; or (``fma``) on FMAs, ``a`` [M, 2 pairs]
+ * x rounded to bf16, as fp32, each weight vector widened into its odd inputs (the pairs'
+ * high halves) and even ones. mr, nb and fma are constants where it is inlined: the
+ * accumulators stay in registers. */
+static inline __attribute__((always_inline)) void tile(
+        const void *a, const uint16_t *wp, int64_t Kb, int64_t m0, int mr, int64_t nb0, int nb,
+        const float *bias, float *y, int64_t N, int raw, int fma) {
     __m512 acc[MR][NB_MAX];
     for (int r = 0; r < mr; ++r)
         for (int j = 0; j < nb; ++j) acc[r][j] = _mm512_setzero_ps();
     const uint16_t *w = wp + nb0 * Kb * 512;
-    const uint32_t *x = a + m0 * Kp2;
-    for (int64_t kp = 0; kp < Kp2; ++kp) {
-        __m512bh wv[NB_MAX];
-        for (int j = 0; j < nb; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * Kb * 512 + kp * 32);
-        for (int r = 0; r < mr; ++r) {
-            const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)x[r * Kp2 + kp]);
-            for (int j = 0; j < nb; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, wv[j]);
-        }
-    }
-    store(acc, mr, nb, m0, nb0, bias, y, N, raw);
-}
-
-/* The same on FMAs: ``a`` [M, Kp] x rounded to bf16, as fp32; each weight vector widened
- * into its odd inputs (the pairs' high halves) and even ones. */
-static inline __attribute__((always_inline)) void tile_fma(
-        const float *a, int64_t Kp, const uint16_t *wp, int64_t Kb, int64_t m0, int mr,
-        int64_t nb0, int nb, const float *bias, float *y, int64_t N, int raw) {
-    __m512 acc[MR][NB_MAX];
-    for (int r = 0; r < mr; ++r)
-        for (int j = 0; j < nb; ++j) acc[r][j] = _mm512_setzero_ps();
-    const uint16_t *w = wp + nb0 * Kb * 512;
-    const float *x = a + m0 * Kp;
+    const int64_t pairs = Kb * 16;
+    const uint32_t *xp = (const uint32_t *)a + m0 * pairs;
+    const float *xf = (const float *)a + m0 * 2 * pairs;
     const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
-    for (int64_t kp = 0; kp < Kp / 2; ++kp) {
-        __m512 odd[NB_MAX], even[NB_MAX];
-        for (int j = 0; j < nb; ++j) {
-            const __m512i wv = _mm512_loadu_si512(w + j * Kb * 512 + kp * 32);
-            odd[j] = _mm512_castsi512_ps(_mm512_and_si512(wv, high));
-            even[j] = _mm512_castsi512_ps(_mm512_slli_epi32(wv, 16));
-        }
-        for (int r = 0; r < mr; ++r) {
-            const __m512 xo = _mm512_set1_ps(x[r * Kp + 2 * kp + 1]);
-            const __m512 xe = _mm512_set1_ps(x[r * Kp + 2 * kp]);
+    for (int64_t kp = 0; kp < pairs; ++kp) {
+        __m512i wv[NB_MAX];
+        for (int j = 0; j < nb; ++j) wv[j] = _mm512_loadu_si512(w + j * Kb * 512 + kp * 32);
+        if (fma) {
+            __m512 odd[NB_MAX], even[NB_MAX];
             for (int j = 0; j < nb; ++j) {
-                acc[r][j] = _mm512_fmadd_ps(xo, odd[j], acc[r][j]);
-                acc[r][j] = _mm512_fmadd_ps(xe, even[j], acc[r][j]);
+                odd[j] = _mm512_castsi512_ps(_mm512_and_si512(wv[j], high));
+                even[j] = _mm512_castsi512_ps(_mm512_slli_epi32(wv[j], 16));
+            }
+            for (int r = 0; r < mr; ++r) {
+                const __m512 xo = _mm512_set1_ps(xf[r * 2 * pairs + 2 * kp + 1]);
+                const __m512 xe = _mm512_set1_ps(xf[r * 2 * pairs + 2 * kp]);
+                for (int j = 0; j < nb; ++j) {
+                    acc[r][j] = _mm512_fmadd_ps(xo, odd[j], acc[r][j]);
+                    acc[r][j] = _mm512_fmadd_ps(xe, even[j], acc[r][j]);
+                }
+            }
+        } else {
+            for (int r = 0; r < mr; ++r) {
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xp[r * pairs + kp]);
+                for (int j = 0; j < nb; ++j)
+                    acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, (__m512bh)wv[j]);
             }
         }
     }
@@ -116,46 +108,46 @@ static inline __attribute__((always_inline)) void tile_fma(
 
 /* A tile with mr and nb as constants, for every (mr, nb) a kernel runs: full items, and
  * the last row tile and output group. */
-#define TILE(T, MRC, NBC) T(a, ka, wp, Kb, m0, MRC, nb0, NBC, bias, y, N, raw); break;
-#define TILE_NB3(T, MRC)                                                     \
+#define TILE(FMA, MRC, NBC) tile(a, wp, Kb, m0, MRC, nb0, NBC, bias, y, N, raw, FMA); break;
+#define TILE_NB3(F, MRC)                                                     \
     switch (nb) {                                                            \
-        case 3: TILE(T, MRC, 3)                                              \
-        case 2: TILE(T, MRC, 2)                                              \
-        default: TILE(T, MRC, 1)                                             \
+        case 3: TILE(F, MRC, 3)                                              \
+        case 2: TILE(F, MRC, 2)                                              \
+        default: TILE(F, MRC, 1)                                             \
     }
-#define TILE_NB4(T, MRC)                                                     \
+#define TILE_NB4(F, MRC)                                                     \
     switch (nb) {                                                            \
-        case 4: TILE(T, MRC, 4)                                              \
-        default: TILE_NB3(T, MRC)                                            \
+        case 4: TILE(F, MRC, 4)                                              \
+        default: TILE_NB3(F, MRC)                                            \
     }
-#define TILE_NB6(T, MRC)                                                     \
+#define TILE_NB6(F, MRC)                                                     \
     switch (nb) {                                                            \
-        case 6: TILE(T, MRC, 6)                                              \
-        case 5: TILE(T, MRC, 5)                                              \
-        default: TILE_NB4(T, MRC)                                            \
+        case 6: TILE(F, MRC, 6)                                              \
+        case 5: TILE(F, MRC, 5)                                              \
+        default: TILE_NB4(F, MRC)                                            \
     }
 
-static void item_dot(const uint32_t *a, int64_t ka, const uint16_t *wp, int64_t Kb, int64_t m0,
-                     int mr, int64_t nb0, int nb, const float *bias, float *y, int64_t N, int raw) {
+static void item_dot(const void *a, const uint16_t *wp, int64_t Kb, int64_t m0, int mr,
+                     int64_t nb0, int nb, const float *bias, float *y, int64_t N, int raw) {
     switch (mr) {  /* NB_DOT blocks at most */
-        case 6: TILE_NB4(tile_dot, 6) break;
-        case 5: TILE_NB4(tile_dot, 5) break;
-        case 4: TILE_NB4(tile_dot, 4) break;
-        case 3: TILE_NB4(tile_dot, 3) break;
-        case 2: TILE_NB4(tile_dot, 2) break;
-        default: TILE_NB4(tile_dot, 1) break;
+        case 6: TILE_NB4(0, 6) break;
+        case 5: TILE_NB4(0, 5) break;
+        case 4: TILE_NB4(0, 4) break;
+        case 3: TILE_NB4(0, 3) break;
+        case 2: TILE_NB4(0, 2) break;
+        default: TILE_NB4(0, 1) break;
     }
 }
 
-static void item_fma(const float *a, int64_t ka, const uint16_t *wp, int64_t Kb, int64_t m0,
-                     int mr, int64_t nb0, int nb, const float *bias, float *y, int64_t N, int raw) {
+static void item_fma(const void *a, const uint16_t *wp, int64_t Kb, int64_t m0, int mr,
+                     int64_t nb0, int nb, const float *bias, float *y, int64_t N, int raw) {
     switch (mr) {  /* NB_FMA blocks at most, NB_FMA_FEW for one or two rows */
-        case 6: TILE_NB3(tile_fma, 6) break;
-        case 5: TILE_NB3(tile_fma, 5) break;
-        case 4: TILE_NB3(tile_fma, 4) break;
-        case 3: TILE_NB3(tile_fma, 3) break;
-        case 2: TILE_NB6(tile_fma, 2) break;
-        default: TILE_NB6(tile_fma, 1) break;
+        case 6: TILE_NB3(1, 6) break;
+        case 5: TILE_NB3(1, 5) break;
+        case 4: TILE_NB3(1, 4) break;
+        case 3: TILE_NB3(1, 3) break;
+        case 2: TILE_NB6(1, 2) break;
+        default: TILE_NB6(1, 1) break;
     }
 }
 
@@ -211,9 +203,9 @@ static int run(const float *x, int64_t M, int64_t K, const uint16_t *wp, int64_t
             const int64_t m0 = t * MR, nb0 = g * nb;
             const int mr = (int)(M - m0 < MR ? M - m0 : MR), n = (int)(blocks - nb0 < nb ? blocks - nb0 : nb);
             if (fma)
-                item_fma((const float *)a, Kb * 32, wp, Kb, m0, mr, nb0, n, bias, y, N, raw);
+                item_fma(a, wp, Kb, m0, mr, nb0, n, bias, y, N, raw);
             else
-                item_dot((const uint32_t *)a, Kb * 16, wp, Kb, m0, mr, nb0, n, bias, y, N, raw);
+                item_dot(a, wp, Kb, m0, mr, nb0, n, bias, y, N, raw);
         }
     }
     free(a);
