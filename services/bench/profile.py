@@ -33,9 +33,9 @@ from typing import Any
 
 from services.bench import runinfo
 from services.bench.perf_model import DecodeModel, PrefillModel, StepModel, TransferModel, attention_pairs
-from services.bench.step_timer import StepTimer
+from services.bench.step_timer import StepTimer, grid_blocks
 from services.cluster.flags import add_config_flags
-from services.common.config import ClusterConfig, EngineConfig
+from services.common.config import CacheConfig, ClusterConfig, EngineConfig
 
 SCHEMA = "tandem.profile/v1"
 
@@ -56,8 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="local HF folder (default: the embedded `bench` checkpoint)")
     p.add_argument("--threads-per-worker", type=int, default=1, help="torch threads per worker (as `tandem serve`)")
     p.add_argument("--device", default="cpu", help="cpu | cuda (one GPU per worker; KV over nccl)")
-    p.add_argument("--kv-cache-gb", type=float, default=0.25, help="KV cache of the timed engines (the grid needs "
-                   "~0.2 GB on the bench model; as `tandem serve --kv-cache-gb` otherwise)")
+    p.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache of a served worker, as `tandem serve "
+                   "--kv-cache-gb` (default: serve's), which `tandem plan` simulates; the timed engines hold "
+                   "what the grid needs")
     p.add_argument("--prefill-nice", type=int, default=0, help="niceness of the prefill pool (as `tandem serve`)")
     p.add_argument("--repeats", type=int, default=3, help="timed steps per grid point (medians are fitted)")
     p.add_argument("--skip-transfer", action="store_true", help="no KV transfer part (single-pool plans only)")
@@ -78,7 +79,7 @@ def pool_layouts(cluster: ClusterConfig) -> dict[str, str]:
 
 
 def measure(model: str, threads: int, prefill_nice: int, repeats: int, transfer: bool,
-            progress=print, grid: Grid = Grid(), device: str = "cpu", kv_cache_gb: float = 0.25,
+            progress=print, grid: Grid = Grid(), device: str = "cpu", kv_cache_gb: float | None = None,
             layouts: dict[str, str] | None = None, burst_threads: int = 0) -> dict[str, Any]:
     """The profile dict (schema ``SCHEMA``); Ray must be running. ``layouts``: each kind of
     worker's CPU weight layout (``pool_layouts``; default: the cluster's defaults);
@@ -94,13 +95,15 @@ def measure(model: str, threads: int, prefill_nice: int, repeats: int, transfer:
     colo_prefill = not gpu and colo != layouts["prefill"]
     colo_decode = not gpu and colo != layouts["decode"]
     actor_cls = ray.remote(StepTimer)
+    blocks = grid_blocks(list(grid.prefill_tokens), list(grid.prefill_batches), list(grid.decode_setups),
+                         list(grid.mixed_setups), repeats, CacheConfig().block_size)
     actor_pids: list[int] = []
     sampler = BackgroundSampler(lambda: [os.getpid(), *actor_pids]).start()
     colocated: dict[str, list[dict]] = {}
 
     def start(niceness: int, layout: str, n_threads: int = threads):
         actor = actor_cls.options(num_cpus=0, num_gpus=gpu).remote(model, n_threads, niceness, device, kv_cache_gb,
-                                                                   layout)
+                                                                   layout, blocks=blocks)
         actor_pids[:] = [ray.get(actor.pid.remote())]
         return actor
 
@@ -288,7 +291,7 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("--threads-per-worker must be >= 1")
     if args.repeats < 1:
         raise ValueError("--repeats must be >= 1")
-    if args.kv_cache_gb <= 0:
+    if args.kv_cache_gb is not None and args.kv_cache_gb <= 0:
         raise ValueError("--kv-cache-gb must be > 0")
     if args.burst_threads is not None and args.burst_threads < 0:
         raise ValueError("--burst-threads must be >= 0")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Any
@@ -11,26 +12,69 @@ from services.bench.perf_model import attention_pairs
 from services.common.config import EngineConfig
 
 
+PREFILL_WARMUPS = (64, 512)  # prompt lengths of the prefill grid's untimed steps
+
+
+def decode_max_tokens(repeats: int, mixed_steps: int) -> int:
+    """Tokens each sequence of a decode setup may generate: its warm-up steps, the timed
+    and mixed steps, and a margin."""
+    return 4 + repeats + mixed_steps + 2
+
+
+def grid_blocks(prefill_tokens: list[int], prefill_batches: list[tuple[int, int]],
+                decode_setups: list[tuple[int, int]], mixed_setups: list[tuple[int, int, tuple[int, ...]]],
+                repeats: int, block_size: int) -> int:
+    """KV blocks the grids hold at once at most (their largest step: a decode setup's
+    sequences at their longest, every mixed prompt beside them): what a ``StepTimer``'s
+    cache needs."""
+    from services.engine.kv_cache.kv_manager import blocks_needed
+
+    mixed = {(b, n): sizes for b, n, sizes in mixed_setups}
+    prompts = [b * blocks_needed(n + 1, block_size) for b, n in [*((1, n) for n in prefill_tokens),
+                                                                 *prefill_batches]]
+    if prompts:  # the prefill grid's warm-ups too
+        prompts += [blocks_needed(n + 1, block_size) for n in PREFILL_WARMUPS]
+    decodes = [b * blocks_needed(n + decode_max_tokens(repeats, len(mixed.get((b, n), ()))), block_size)
+               + sum(blocks_needed(m + 1, block_size) for m in mixed.get((b, n), ()))
+               for b, n in decode_setups]
+    return max(prompts + decodes)
+
+
 class StepTimer:
     """One engine configured as a worker of the cluster (its threads, niceness and CPU
-    weight layout) that times its own steps; ``tandem profile`` runs it as a Ray actor."""
+    weight layout) that times its own steps; ``tandem profile`` runs it as a Ray actor.
 
-    def __init__(self, model: str, threads: int, niceness: int, device: str = "cpu", kv_cache_gb: float = 0.25,
-                 layout: str = EngineConfig.cpu_weight_layout, seed: int = 0) -> None:
+    Its KV cache holds what the grids need (``blocks``, from ``grid_blocks``; on CPU); the
+    cache a served worker gets (``kv_cache_gb``, as ``tandem serve --kv-cache-gb``; None:
+    serve's default) is what ``limits`` reports, for ``tandem plan`` to simulate."""
+
+    def __init__(self, model: str, threads: int, niceness: int, device: str = "cpu",
+                 kv_cache_gb: float | None = None, layout: str = EngineConfig.cpu_weight_layout, seed: int = 0,
+                 blocks: int = 0) -> None:
         import numpy as np
         import torch
 
         from services.common.config import CacheConfig
         from services.engine import heap
         from services.engine.engine import LLMEngine  # torch: loaded in the actor only
+        from services.engine.kv_cache.paged_cache import PagedKVCache
+        from services.engine.kv_cache.sizing import num_kv_blocks
 
         if niceness:
             os.nice(niceness)
         os.environ["OMP_NUM_THREADS"] = str(threads)  # as EngineWorker does
         torch.set_num_threads(threads)
+        served = CacheConfig(memory_gb=kv_cache_gb, enable_prefix_caching=False)
+        # on CPU the timed engine holds the grids, whatever a served worker would hold
+        timed = dataclasses.replace(served, num_blocks=max(2, blocks)) if device == "cpu" and blocks else served
         self.config = EngineConfig(model=model, num_threads=threads, device=device, cpu_weight_layout=layout,
-                                   cache=CacheConfig(memory_gb=kv_cache_gb, enable_prefix_caching=False))
+                                   cache=timed)
         self.engine = LLMEngine(self.config)
+        mc = self.engine.model_config
+        per_block = PagedKVCache.bytes_per_block(mc.num_layers, served.block_size, mc.num_kv_heads,
+                                                 mc.head_dim, self.engine.dtype)
+        self.served_blocks = self.engine.block_pool.num_blocks if timed is served \
+            else num_kv_blocks(served, per_block, self.engine.device, 0)
         self.rng = np.random.default_rng(seed)
         self.n = 0
         if heap.in_actor_process():  # as a worker actor freezes its heap (EngineWorker)
@@ -43,7 +87,7 @@ class StepTimer:
         e, mc = self.engine, self.engine.model_config
         return {"max_num_batched_tokens": e.config.scheduler.max_num_batched_tokens,
                 "max_num_seqs": e.config.scheduler.max_num_seqs,
-                "block_size": e.config.cache.block_size, "num_blocks": e.block_pool.num_blocks,
+                "block_size": e.config.cache.block_size, "num_blocks": self.served_blocks,
                 "kv_bytes_per_token": e.kv_cache.bytes_per_block(
                     mc.num_layers, 1, mc.num_kv_heads, mc.head_dim, e.dtype),
                 "dtype": str(e.dtype).removeprefix("torch."), "device": str(e.device),
@@ -76,8 +120,12 @@ class StepTimer:
         budget = self.engine.config.scheduler.max_num_batched_tokens
         if max([*tokens, *(b * n for b, n in batches)]) > budget:
             raise ValueError(f"a timed prefill step holds at most max_num_batched_tokens={budget} tokens")
-        self._add(64, 1), self._timed_step()  # warm-up
-        self._add(512, 1), self._timed_step()
+        need = grid_blocks(tokens, batches, [], [], repeats, self.engine.config.cache.block_size)
+        if need > self.engine.block_pool.num_blocks:
+            raise ValueError(f"the prefill grid needs {need} KV blocks; this engine has "
+                             f"{self.engine.block_pool.num_blocks}")
+        for n in PREFILL_WARMUPS:
+            self._add(n, 1), self._timed_step()
         out = []
         for _ in range(repeats):
             for n in tokens:
@@ -97,10 +145,16 @@ class StepTimer:
         mixed = {(b, n): sizes for b, n, sizes in mixed_setups}
         sched = self.engine.scheduler
         points, mixed_points = [], []
+        bs = self.engine.config.cache.block_size
         for b, length in setups:
+            need = grid_blocks([], [], [(b, length)], mixed_setups, repeats, bs)
+            if b > self.engine.config.scheduler.max_num_seqs or need > self.engine.block_pool.num_blocks:
+                raise ValueError(f"a decode step of {b} x {length} tokens needs {need} KV blocks and {b} "
+                                 f"sequences; this engine has {self.engine.block_pool.num_blocks} and "
+                                 f"max_num_seqs={self.engine.config.scheduler.max_num_seqs}")
             extra = len(mixed.get((b, length), ()))
             for _ in range(b):
-                self._add(length, 4 + repeats + extra + 2)
+                self._add(length, decode_max_tokens(repeats, extra))
             while not (len(sched.running) == b and all(s.num_uncomputed_tokens == 1 for s in sched.running)):
                 self.engine.step()
             self.engine.step()  # one untimed decode step
