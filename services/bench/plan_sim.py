@@ -78,7 +78,8 @@ EPS = 1e-12
 @dataclass
 class SimResult:
     """One record per request, in the shape ``services.bench.metrics_math`` scores, and per
-    worker role the engine steps run and their cost: (steps, prompt part s, decode part s)."""
+    worker role the engine steps run and their CPU: (steps, prompt part s, decode part s), each
+    step's time times the threads it ran on."""
 
     records: list[dict[str, Any]]
     duration_s: float
@@ -283,7 +284,7 @@ class Simulation:
                     if w.step is not None:
                         continue
                     threads = self._threads(w)
-                    if w.start_step(burst=threads != self.hw.threads):
+                    if w.start_step(threads, burst=threads != self.hw.threads):
                         w.job.threads = threads
                         w.step_started = self.now
             self.frontend.threads = 1.0 if self.deliveries else 0.0

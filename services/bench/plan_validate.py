@@ -185,7 +185,7 @@ def _measure(server: Any, sweeps: list[tuple[Any, argparse.Namespace]], label: s
              path_s_per_step: float) -> Measured:
     """Sweep one started-here server once per workload of ``sweeps`` (pooled per rate: ``pool``).
     Its request path's CPU is the server's process tree
-    (gateway, Ray, workers) plus the client, less the engine threads' step CPU the workers
+    (gateway, Ray, workers) plus the client, less the engine steps' CPU the workers
     count and the tree's CPU at rest (measured before the sweep) over the sweep's length
     (``server_cpu``); per token, once ``path_s_per_step`` per engine step is taken out."""
     from services.bench.cpu_load import BackgroundSampler, process_cpu_seconds, tree_cpu_seconds

@@ -7,7 +7,7 @@ measures, on a machine otherwise at rest:
 - batches of N concurrent streams (``--streams``, each ``--input-len`` prompt tokens and
   ``--output-len`` tokens, all sent at once; ``--rounds`` rounds, the sizes interleaved):
   the request path's CPU over each batch, i.e. the server's process tree and this client's
-  CPU less the engine threads' step CPU (``tandem_engine_step_cpu_seconds``) and the idle
+  CPU less the engine steps' CPU (``tandem_engine_step_cpu_seconds``, helpers included) and the idle
   CPU over that time, against the engine steps run (``tandem_engine_steps``) and the tokens
   streamed. A least-squares fit ``path = per_step * steps + per_token * tokens`` separates
   what each step's feed item costs (the worker's actor threads, Ray's stream, the

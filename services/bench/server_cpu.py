@@ -80,7 +80,7 @@ def engine_counters(url: str) -> EngineCounters | None:
 def path_cpu_s(tree_s: float, client_s: float, before: EngineCounters, after: EngineCounters,
                idle: float, seconds: float) -> float:
     """The request path's CPU over ``seconds`` of serving: the server's process tree
-    (``tree_s``) and the client's (``client_s``), less its engine threads' step CPU and its
+    (``tree_s``) and the client's (``client_s``), less its engine steps' CPU and its
     CPU at rest (``idle`` cores) over that time."""
     return tree_s + client_s - (after.step_cpu_s - before.step_cpu_s) - idle * seconds
 

@@ -55,7 +55,7 @@ class SimWorker:
 
     def __init__(self, worker_id: str, role: str, engine: Engine, steps: StepModel, job: Job,
                  step_s_per_token: float = 0.0, burst_steps: StepModel | None = None) -> None:
-        """``burst_steps``: its steps while it bursts (more threads; ``start_step(burst=True)``)."""
+        """``burst_steps``: its steps while it bursts (more threads; ``start_step`` with them)."""
         self.worker_id, self.role, self.engine, self.steps, self.job = worker_id, role, engine, steps, job
         self.step_s_per_token = step_s_per_token
         self.burst_steps = burst_steps
@@ -68,7 +68,8 @@ class SimWorker:
         self.num_steps = 0
         self.step_started = 0.0  # simulated time its step in progress started
         self.prefill_rate = PrefillRate()  # as its engine measures it, in simulated seconds
-        # its steps' cost by ``steps`` (the per-token part left out): prompt and decode parts
+        # its steps' CPU by ``steps`` (each step's time times the threads it ran on; the
+        # per-token part left out): prompt and decode parts, as a served engine counts them
         self.prefill_s = self.decode_s = 0.0
 
     def load(self) -> WorkerLoad:
@@ -86,9 +87,9 @@ class SimWorker:
                           queued_prefill_tokens=queued, max_num_seqs=e.max_num_seqs, request_ids=ids,
                           prefill_tokens_per_s=self.prefill_rate.tokens_per_s())
 
-    def start_step(self, burst: bool = False) -> bool:
-        """Schedule a step as the engine's scheduler would, at ``burst_steps``' cost with
-        ``burst``; False when there is nothing to do."""
+    def start_step(self, threads: int = 1, burst: bool = False) -> bool:
+        """Schedule a step on ``threads`` as the engine's scheduler would, at ``burst_steps``'
+        cost with ``burst``; False when there is nothing to do."""
         budget = self.engine.max_num_batched_tokens
         decodes = [s for s in self.running if s.prefill_left == 0][:budget]
         budget -= len(decodes)
@@ -112,8 +113,8 @@ class SimWorker:
                                           sum(attention_pairs(n, s.tokens) for s, n in chunks),
                                           len(decodes), sum(s.tokens + 1 for s in decodes))
         self.num_steps += 1
-        self.prefill_s += prompt
-        self.decode_s += decode
+        self.prefill_s += prompt * threads
+        self.decode_s += decode * threads
         emitted = len(decodes) + sum(1 for s, n in chunks if n == s.prefill_left)
         self.job.remaining = prompt + decode + self.step_s_per_token * emitted
         return True

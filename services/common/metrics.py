@@ -123,8 +123,8 @@ def worker_metrics(role: str, worker: str,
             "Draft tokens accepted per verified draft (the step commits one more)",
             WORKER_LABELS, buckets=ACCEPTANCE_BUCKETS, registry=r)),
         step_cpu=bind(Counter(f"{PREFIX}engine_step_cpu_seconds",
-                              "CPU seconds the engine thread spent in steps (its OpenMP helpers not "
-                              "counted); the rest of a worker's CPU is the request path",
+                              "CPU seconds the engine's steps spent: its thread and the OpenMP "
+                              "helper threads they ran on; the rest of a worker's CPU is the request path",
                               WORKER_LABELS, registry=r)),
         steps=bind(Counter(f"{PREFIX}engine_steps", "Engine steps run (each a forward pass)",
                            WORKER_LABELS, registry=r)),

@@ -35,6 +35,7 @@ from services.engine.sampler import Sampler, TokenLogprob
 from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.sequence import Sequence, SequenceStatus
 from services.engine.spec.speculator import make_speculator
+from services.engine.team_cpu import TeamClock
 from services.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class LLMEngine:
         self.speculator = make_speculator(config, mc, self.scheduler.kv, num_blocks, self.dtype,
                                           self.max_model_len)
         self.num_steps = 0
+        self._team_clock = TeamClock()  # the step CPU metric: this thread's and its OpenMP helpers'
         self.prefill_rate = PrefillRate()  # prompt tokens per second of recent steps
         log.info("engine ready: %s %s on %s, %d KV blocks of %d tokens",
                  mc.architecture, self.dtype, self.device, num_blocks, cc.block_size)
@@ -185,12 +187,12 @@ class LLMEngine:
         ``on_layer_done(i, completing)`` runs after layer ``i`` wrote its KV, with
         the sequences whose KV becomes complete in this step (layer-wise transfer).
         """
-        cpu0 = time.thread_time()
+        mark = self._team_clock.start() if self.metrics is not None else None
         try:
             return self._step(on_layer_done)
         finally:
             if self.metrics is not None:
-                self.metrics.step_cpu.inc(time.thread_time() - cpu0)
+                self.metrics.step_cpu.inc(self._team_clock.since(mark))
                 self.metrics.steps.inc()
 
     def _step(self, on_layer_done: Callable[[int, list[Sequence]], None] | None

@@ -288,8 +288,12 @@ def test_pools_burst_while_the_other_pool_leaves_them_its_cores():
     normal, burst = steps(prefill_s=0.2, decode_base=0.02), steps(prefill_s=0.1, decode_base=0.012)
     sim = simulation([req(0.0, 16, 60, 0), req(0.5, 16, 2, 1)], cores=2.0, model=normal,
                      bursts=(burst, burst), decode_burst_threads=2, prefill_burst_threads=2)
-    a, b = sim.run().records
+    res = sim.run()
+    a, b = res.records
     assert a["ttft_s"] == pytest.approx(0.1)
+    # the steps' CPU, as a served engine counts it (its OpenMP helpers included): A's prompt
+    # on two threads, B's on one
+    assert res.engine["prefill"][1] == pytest.approx(2 * 0.1 + 0.2)
     kv_a = 0.1 + 0.005 + 16 * KV_BYTES * 1e-6  # A's KV lands; its steps start then
     step_at_b = kv_a + (0.5 - kv_a) // 0.012 * 0.012  # the step B's reservation waits for
     assert b["ttft_s"] == pytest.approx(step_at_b + 0.012 + 0.2 - 0.5)

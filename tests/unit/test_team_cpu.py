@@ -1,0 +1,79 @@
+"""A step's CPU: the calling thread's and its OpenMP helpers' (``services.engine.team_cpu``)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from services.engine.team_cpu import TeamClock, team_helpers, thread_clock
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_a_team_of_two_has_one_helper_which_torch_and_the_native_kernels_share(two_threads):
+    from services.engine.model import cpu_kernels
+
+    x = torch.randn(512, 512)
+    _ = x @ x  # torch's region starts the team
+    helpers = team_helpers(2)
+    assert len(helpers) == 1 and threading.get_native_id() not in helpers
+    kernels = cpu_kernels.load()
+    if kernels is not None:
+        kernels.silu_mul(torch.randn(64, 2 * 4096))  # the native kernels' region
+    assert team_helpers(2) == helpers  # the same runtime, the same helper
+    assert team_helpers(1) == ()
+
+
+def test_the_team_clock_counts_the_helpers_work(two_threads):
+    x = torch.randn(1500, 1500)
+
+    def work() -> None:
+        for _ in range(6):
+            _ = x @ x
+
+    torch.set_num_threads(1)
+    t0 = time.thread_time()
+    work()
+    alone = time.thread_time() - t0  # the whole product on one thread
+    torch.set_num_threads(2)
+    clock = TeamClock()
+    mark = clock.start()
+    t0 = time.thread_time()
+    work()  # split over both threads
+    mine = time.thread_time() - t0
+    # the helper computed about half of it (a quarter leaves room for a busy machine)
+    assert clock.since(mark) - mine > 0.25 * alone
+
+
+def test_the_team_clock_is_the_callers_time_on_one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        clock = TeamClock()
+        mark = clock.start()
+        t0 = time.thread_time()
+        x = torch.randn(800, 800)
+        _ = x @ x
+        mine = time.thread_time() - t0
+        assert mine <= clock.since(mark) <= mine + 0.01
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_helper_that_has_gone_is_found_again(two_threads):
+    clock = TeamClock()
+    key, _, _ = mark = clock.start()
+    clock._helpers[key] = (2**22 - 1,)  # an id no thread of this process has
+    mark = clock.start()
+    assert clock.since(mark) >= 0 and key not in clock._helpers
+    with pytest.raises(OSError):
+        time.clock_gettime(thread_clock(2**22 - 1))
