@@ -421,11 +421,13 @@ def pools() -> dict:
                        unit="ops", min_=0,
                        description="Forward passes each worker's engine runs per second."),
             timeseries("Engine busy per worker",
-                       [(f"sum by (role, worker) (rate(tandem_engine_step_cpu_seconds_total{{{SEL}}}[{RI}]))",
-                         per_worker)], unit="percentunit", min_=0,
-                       description="Share of a core each worker's engine thread spends in steps (its "
-                                   "OpenMP helpers not counted): near 1, the worker is saturated; the "
-                                   "rest of its CPU is the request path."),
+                       [(f"sum by (role, worker) (rate(tandem_engine_step_cpu_seconds_total{{{SEL}}}[{RI}]))"
+                         f" / sum by (role, worker) (tandem_worker_threads{{{SEL}}})", per_worker)],
+                       unit="percentunit", min_=0,
+                       description="CPU each worker's engine steps use (its thread and the OpenMP "
+                                   "helpers they run on) as a share of its torch threads' cores: near "
+                                   "1, the worker is saturated; the rest of its CPU is the request "
+                                   "path."),
             timeseries("Torch threads per worker",
                        [(f"tandem_worker_threads{{{SEL}}}", per_worker)], min_=0,
                        description="Torch threads each worker's engine steps run with: "

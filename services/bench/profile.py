@@ -35,7 +35,7 @@ from services.bench import runinfo
 from services.bench.perf_model import DecodeModel, PrefillModel, StepModel, TransferModel, attention_pairs
 from services.bench.step_timer import StepTimer, grid_blocks
 from services.cluster.flags import add_config_flags
-from services.common.config import CacheConfig, ClusterConfig, EngineConfig
+from services.common.config import CacheConfig, ClusterConfig, EngineConfig, SchedulerConfig
 
 SCHEMA = "tandem.profile/v1"
 
@@ -57,8 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads-per-worker", type=int, default=1, help="torch threads per worker (as `tandem serve`)")
     p.add_argument("--device", default="cpu", help="cpu | cuda (one GPU per worker; KV over nccl)")
     p.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache of a served worker, as `tandem serve "
-                   "--kv-cache-gb` (default: serve's), which `tandem plan` simulates; the timed engines hold "
-                   "what the grid needs")
+                   "--kv-cache-gb` (default: serve's), which `tandem plan` simulates; on CPU the timed engines "
+                   "hold what the grid needs")
     p.add_argument("--prefill-nice", type=int, default=0, help="niceness of the prefill pool (as `tandem serve`)")
     p.add_argument("--repeats", type=int, default=3, help="timed steps per grid point (medians are fitted)")
     p.add_argument("--skip-transfer", action="store_true", help="no KV transfer part (single-pool plans only)")
@@ -96,7 +96,8 @@ def measure(model: str, threads: int, prefill_nice: int, repeats: int, transfer:
     colo_decode = not gpu and colo != layouts["decode"]
     actor_cls = ray.remote(StepTimer)
     blocks = grid_blocks(list(grid.prefill_tokens), list(grid.prefill_batches), list(grid.decode_setups),
-                         list(grid.mixed_setups), repeats, CacheConfig().block_size)
+                         list(grid.mixed_setups), repeats, CacheConfig().block_size,
+                         SchedulerConfig().max_num_batched_tokens)
     actor_pids: list[int] = []
     sampler = BackgroundSampler(lambda: [os.getpid(), *actor_pids]).start()
     colocated: dict[str, list[dict]] = {}

@@ -15,15 +15,22 @@ from services.common.config import EngineConfig
 PREFILL_WARMUPS = (64, 512)  # prompt lengths of the prefill grid's untimed steps
 
 
-def decode_max_tokens(repeats: int, mixed_steps: int) -> int:
-    """Tokens each sequence of a decode setup may generate: its warm-up steps, the timed
-    and mixed steps, and a margin."""
-    return 4 + repeats + mixed_steps + 2
+def ramp_steps(batch: int, length: int, budget: int) -> int:
+    """Steps until a decode setup's ``batch`` prompts of ``length`` tokens are all computed
+    (chunked by the token budget, which the first ones' decodes share), at most."""
+    return -(-batch * (length + 1) // budget) + 1
+
+
+def decode_max_tokens(ramp: int, repeats: int, mixed_steps: int) -> int:
+    """Tokens each sequence of a decode setup may generate: one a step while the others'
+    prompts are computed (``ramp``), the untimed, timed and mixed steps, and a margin: none
+    finishes before the setup is done."""
+    return ramp + 1 + repeats + mixed_steps + 2
 
 
 def grid_blocks(prefill_tokens: list[int], prefill_batches: list[tuple[int, int]],
                 decode_setups: list[tuple[int, int]], mixed_setups: list[tuple[int, int, tuple[int, ...]]],
-                repeats: int, block_size: int) -> int:
+                repeats: int, block_size: int, budget: int) -> int:
     """KV blocks the grids hold at once at most (their largest step: a decode setup's
     sequences at their longest, every mixed prompt beside them): what a ``StepTimer``'s
     cache needs."""
@@ -34,7 +41,8 @@ def grid_blocks(prefill_tokens: list[int], prefill_batches: list[tuple[int, int]
                                                                  *prefill_batches]]
     if prompts:  # the prefill grid's warm-ups too
         prompts += [blocks_needed(n + 1, block_size) for n in PREFILL_WARMUPS]
-    decodes = [b * blocks_needed(n + decode_max_tokens(repeats, len(mixed.get((b, n), ()))), block_size)
+    decodes = [b * blocks_needed(n + decode_max_tokens(ramp_steps(b, n, budget), repeats,
+                                                       len(mixed.get((b, n), ()))), block_size)
                + sum(blocks_needed(m + 1, block_size) for m in mixed.get((b, n), ()))
                for b, n in decode_setups]
     return max(prompts + decodes)
@@ -120,7 +128,7 @@ class StepTimer:
         budget = self.engine.config.scheduler.max_num_batched_tokens
         if max([*tokens, *(b * n for b, n in batches)]) > budget:
             raise ValueError(f"a timed prefill step holds at most max_num_batched_tokens={budget} tokens")
-        need = grid_blocks(tokens, batches, [], [], repeats, self.engine.config.cache.block_size)
+        need = grid_blocks(tokens, batches, [], [], repeats, self.engine.config.cache.block_size, budget)
         if need > self.engine.block_pool.num_blocks:
             raise ValueError(f"the prefill grid needs {need} KV blocks; this engine has "
                              f"{self.engine.block_pool.num_blocks}")
@@ -145,18 +153,25 @@ class StepTimer:
         mixed = {(b, n): sizes for b, n, sizes in mixed_setups}
         sched = self.engine.scheduler
         points, mixed_points = [], []
-        bs = self.engine.config.cache.block_size
+        bs, budget = self.engine.config.cache.block_size, self.engine.config.scheduler.max_num_batched_tokens
         for b, length in setups:
-            need = grid_blocks([], [], [(b, length)], mixed_setups, repeats, bs)
+            need = grid_blocks([], [], [(b, length)], mixed_setups, repeats, bs, budget)
             if b > self.engine.config.scheduler.max_num_seqs or need > self.engine.block_pool.num_blocks:
                 raise ValueError(f"a decode step of {b} x {length} tokens needs {need} KV blocks and {b} "
                                  f"sequences; this engine has {self.engine.block_pool.num_blocks} and "
                                  f"max_num_seqs={self.engine.config.scheduler.max_num_seqs}")
-            extra = len(mixed.get((b, length), ()))
+            extra, ramp = len(mixed.get((b, length), ())), ramp_steps(b, length, budget)
             for _ in range(b):
-                self._add(length, decode_max_tokens(repeats, extra))
-            while not (len(sched.running) == b and all(s.num_uncomputed_tokens == 1 for s in sched.running)):
+                self._add(length, decode_max_tokens(ramp, repeats, extra))
+            def decoding() -> bool:
+                return len(sched.running) == b and all(s.num_uncomputed_tokens == 1 for s in sched.running)
+
+            for _ in range(ramp):
+                if decoding():
+                    break
                 self.engine.step()
+            if not decoding():
+                raise RuntimeError(f"{b} prompts of {length} tokens were not all decoding after {ramp} steps")
             self.engine.step()  # one untimed decode step
             for _ in range(repeats):
                 ctx = sum(s.num_tokens for s in sched.running)

@@ -65,7 +65,7 @@ def test_each_kind_of_worker_is_timed_on_its_own_layout(ray_session, tiny_model_
 def test_a_step_timer_runs_the_layout_it_is_given(tiny_model_dir, layout):
     from services.engine.model.onednn import CpuLinear
 
-    timer = StepTimer(str(tiny_model_dir), threads=1, niceness=0, layout=layout)
+    timer = StepTimer(str(tiny_model_dir), threads=1, niceness=0, layout=layout, blocks=64)
     model = timer.engine.runner.model
     assert {m.layout for m in model.layers.modules() if isinstance(m, CpuLinear)} == {layout}
 
@@ -74,16 +74,17 @@ def test_the_grids_blocks_cover_their_largest_step():
     from services.bench.step_timer import grid_blocks
 
     # 8 sequences of 1,024 prompt tokens, each growing by 4 + 3 + 0 + 2 tokens: 8 x 65 blocks of 16
-    assert grid_blocks([2048], [], [(8, 1024)], [], repeats=3, block_size=16) == 8 * 65
-    # a prompt of 2,048 tokens and its first token: 129 blocks
-    assert grid_blocks([2048], [(4, 64)], [(1, 32)], [], repeats=3, block_size=16) == 129
+    # 8 prompts of 1,024 tokens, chunked over 6 steps, each sequence growing by 6 + 1 + 3 + 0 + 2 tokens
+    assert grid_blocks([2048], [], [(8, 1024)], [], repeats=3, block_size=16, budget=2048) == 8 * 65
+    # a prompt of 2,048 tokens: 129 blocks, as the engine admits it (room for its first token)
+    assert grid_blocks([2048], [(4, 64)], [(1, 32)], [], repeats=3, block_size=16, budget=2048) == 129
     # mixed prompts join the setup's sequences, which then grow one token more per mixed step
-    assert grid_blocks([], [], [(4, 60)], [(4, 60, (100,))], repeats=1, block_size=16) == 4 * 5 + 7
-    assert grid_blocks([16], [], [], [], repeats=1, block_size=16) == 33  # the 512-token warm-up
+    assert grid_blocks([], [], [(4, 60)], [(4, 60, (100,))], repeats=1, block_size=16, budget=2048) == 4 * 5 + 7
+    assert grid_blocks([16], [], [], [], repeats=1, block_size=16, budget=2048) == 33  # the 512-token warm-up
     # the default grid on a model whose 0.25 GB of KV held fewer blocks (SmolLM2-135M in fp32: 364)
     grid = profile_mod.Grid()
     assert grid_blocks(list(grid.prefill_tokens), list(grid.prefill_batches), list(grid.decode_setups),
-                       list(grid.mixed_setups), 3, 16) > 364
+                       list(grid.mixed_setups), 3, 16, 2048) > 364
 
 
 @pytest.mark.timeout(120)
@@ -92,7 +93,7 @@ def test_a_step_timer_holds_its_grid_whatever_the_served_cache(tiny_model_dir):
     from services.engine.kv_cache.paged_cache import PagedKVCache
 
     setups, mixed = [(8, 96), (2, 300)], [(8, 96, (64, 200))]
-    blocks = grid_blocks([], [], setups, mixed, repeats=2, block_size=16)
+    blocks = grid_blocks([], [], setups, mixed, repeats=2, block_size=16, budget=2048)
     per_block = PagedKVCache.bytes_per_block(2, 16, 2, 16, __import__("torch").float32)  # the tiny preset
     served_gb = 20 * per_block / 2**30  # 20 blocks: less than one decode setup needs
     timer = StepTimer(str(tiny_model_dir), threads=1, niceness=0, kv_cache_gb=served_gb, blocks=blocks)
@@ -108,5 +109,18 @@ def test_a_step_timer_refuses_a_grid_its_cache_cannot_hold(tiny_model_dir):
     timer = StepTimer(str(tiny_model_dir), threads=1, niceness=0, blocks=30)
     with pytest.raises(ValueError, match="needs 56 KV blocks"):
         timer.decode([(8, 96)], [], repeats=2)  # 8 x 7 blocks: it used to wait for them forever
-    with pytest.raises(ValueError, match="prefill grid needs"):
+    timer = StepTimer(str(tiny_model_dir), threads=1, niceness=0, blocks=34)  # the warm-ups fit
+    with pytest.raises(ValueError, match="prefill grid needs 36 KV blocks"):
         timer.prefill([64], [(4, 128)], repeats=1)  # 4 x 9 blocks would have been timed as a partial step
+
+
+@pytest.mark.timeout(120)
+def test_a_decode_setup_beyond_one_steps_token_budget_is_timed_whole(tiny_model_dir):
+    from services.bench.step_timer import grid_blocks
+
+    # 16 prompts of 1,024 tokens take 10 steps of 2,048 tokens: the first ones decode meanwhile
+    # (with 4 spare tokens each they used to finish first, and the setup waited forever)
+    blocks = grid_blocks([], [], [(16, 1024)], [], repeats=2, block_size=16, budget=2048)
+    timer = StepTimer(str(tiny_model_dir), threads=1, niceness=0, blocks=blocks)
+    points, _ = timer.decode([(16, 1024)], [], repeats=2)
+    assert [p["batch"] for p in points] == [16, 16] and min(p["context"] for p in points) > 16 * 1025

@@ -69,11 +69,37 @@ def test_the_team_clock_is_the_callers_time_on_one_thread():
         torch.set_num_threads(before)
 
 
-def test_a_helper_that_has_gone_is_found_again(two_threads):
-    clock = TeamClock()
-    key, _, _ = mark = clock.start()
-    clock._helpers[key] = (2**22 - 1,)  # an id no thread of this process has
-    mark = clock.start()
-    assert clock.since(mark) >= 0 and key not in clock._helpers
+def test_helpers_that_end_and_start_within_the_work_are_counted():
+    # libgomp ends the extra helpers when a smaller team (but more than one thread) starts,
+    # and starts new ones for the next larger team: the ids found at the mark change
+    before = torch.get_num_threads()
+    x = torch.randn(1500, 1500)
+
+    def work() -> None:
+        for _ in range(4):
+            _ = x @ x
+
+    try:
+        torch.set_num_threads(1)
+        t0 = time.thread_time()
+        work()
+        work()
+        alone = time.thread_time() - t0
+        torch.set_num_threads(4)
+        work()
+        clock = TeamClock()
+        mark = clock.start()
+        first = set(team_helpers(4))
+        work()
+        team_helpers(2)  # a team of two: two of the three helpers end
+        work()  # a team of four again: two new helpers
+        assert set(team_helpers(4)) != first
+        assert clock.since(mark) > 0.7 * alone  # all of the work, wherever it ran
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_thread_clock_ids_of_threads_that_do_not_exist_are_refused():
     with pytest.raises(OSError):
         time.clock_gettime(thread_clock(2**22 - 1))
+    assert time.clock_gettime(thread_clock(threading.get_native_id())) > 0
