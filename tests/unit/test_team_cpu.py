@@ -30,6 +30,10 @@ def test_a_team_of_two_has_one_helper_which_torch_and_the_native_kernels_share(t
     if kernels is not None:
         kernels.silu_mul(torch.randn(64, 2 * 4096))  # the native kernels' region
     assert team_helpers(2) == helpers  # the same runtime, the same helper
+    # one OpenMP runtime in the process: the kernels' library bound to the libgomp torch loaded
+    with open("/proc/self/maps") as f:
+        runtimes = {line.split()[-1] for line in f if line.rstrip().rsplit("/", 1)[-1].startswith("libgomp")}
+    assert len(runtimes) == 1, runtimes
     assert team_helpers(1) == ()
 
 
