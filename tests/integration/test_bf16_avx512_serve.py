@@ -5,7 +5,6 @@ openai SDK with the offline engine's tokens and logprobs, run the same way here.
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -13,8 +12,9 @@ import pytest
 from services.bench.launcher import TandemServer
 from services.common.sampling_params import SamplingParams
 from services.engine import LLM
-from services.engine.model import amx_linear, bf16_avx512_linear, cpu_features
+from services.engine.model import bf16_avx512_linear
 from services.engine.model.onednn import BF16_AVX512
+from tests.cpu_class import hidden_cpu_flags
 
 pytestmark = pytest.mark.skipif(bf16_avx512_linear.load() is None, reason="no AVX-512 BF16 on this machine")
 
@@ -40,9 +40,7 @@ def prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def offline(model, prompts):
     """Each prompt's (text, logprobs) from the offline engine, as on a CPU without AMX."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(amx_linear, "load", lambda: None)
-        mp.setattr(cpu_features, "has_amx_bf16", lambda flags=None: False)
+    with hidden_cpu_flags(*HIDDEN.split(",")):
         llm = LLM(model, dtype="bfloat16")
         assert llm.engine.runner.model.layers[0].qkv_proj.layout == BF16_AVX512
         outs = [llm.generate([p], _params(i))[0].outputs[0] for i, p in enumerate(prompts)]
@@ -60,15 +58,8 @@ def test_served_bf16_on_avx512_is_the_offline_engines(model, prompts, offline, m
 
     server = TandemServer(model, mode=mode, served_model_name="small", startup_timeout_s=300,
                           extra_args=["--dtype", "bfloat16", "--local-prefill-threshold", str(LOCAL_BELOW)])
-    before = os.environ.get("TANDEM_CPU_FLAGS_OFF")
-    os.environ["TANDEM_CPU_FLAGS_OFF"] = HIDDEN  # the server's environment, not this process's paths
-    try:
+    with hidden_cpu_flags(*HIDDEN.split(",")):  # in the environment the server's processes inherit
         server.start()
-    finally:
-        if before is None:
-            del os.environ["TANDEM_CPU_FLAGS_OFF"]
-        else:
-            os.environ["TANDEM_CPU_FLAGS_OFF"] = before
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
         for i, (prompt, (text, logprobs)) in enumerate(zip(prompts, offline)):

@@ -3,6 +3,7 @@ logprobs and KV bits, per model family, weight layout (packed, plain, int8) and 
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import pytest
@@ -13,6 +14,7 @@ from services.engine.model import amx_linear, bf16_avx512_linear, cpu_features, 
 from services.engine.model.cpu_kernels import GEMV_MAX_ROWS
 from services.engine.model.decode_stack import DecodeStack
 from services.engine.model.onednn import AMX, BF16_AVX512, PAIR_PACKED
+from tests.cpu_class import AMX_FLAGS, hidden_cpu_flags
 from tests.hf_models import write_hf_checkpoint
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler on this machine")
@@ -71,14 +73,19 @@ def test_the_stack_writes_what_the_python_forward_writes(checkpoints, arch, layo
     if (layout, dtype) == ("packed", "bfloat16") and amx_linear.load() is None:
         pytest.skip("no AMX-BF16: bf16 weights asked to be packed take another layout")
     case = layout
+    with hidden_cpu_flags(*AMX_FLAGS) if case.startswith("avx512") else contextlib.nullcontext():
+        _check_stack(checkpoints[arch], case, layout, dtype, rows, monkeypatch)
+
+
+def _check_stack(checkpoint, case, layout, dtype, rows, monkeypatch):
+    """The native stack against the Python forward for one case (run as the CPU it names)."""
     if layout.startswith("avx512"):
         if bf16_avx512_linear.load() is None:
             pytest.skip("no AVX-512 BF16")
         kernels = bf16_avx512_linear.Bf16Avx512Kernels(cpu_kernels.load(), fma=layout == "avx512-fma")
-        monkeypatch.setattr(amx_linear, "load", lambda: None)  # as on a CPU without AMX
         monkeypatch.setattr(bf16_avx512_linear, "load", lambda: kernels)
         layout = "packed"
-    native_llm, python_llm = (_engine(checkpoints[arch], dtype, layout) for _ in range(2))
+    native_llm, python_llm = (_engine(checkpoint, dtype, layout) for _ in range(2))
     if (layout, dtype) == ("packed", "bfloat16"):
         assert native_llm.engine.runner.model.layers[0].qkv_proj.layout == \
             (AMX if amx_linear.load() is not None else BF16_AVX512)

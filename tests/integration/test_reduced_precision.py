@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Iterator
 
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from services.engine.model import amx_linear, bf16_avx512_linear, cpu_features, 
 from services.engine.model.cpu_kernels import GEMV_MAX_ROWS
 from services.engine.model.onednn import AMX, BF16_AVX512, CpuLinear
 from services.engine.model.quantized import Int8Linear
+from tests.cpu_class import AMX_FLAGS, hidden_cpu_flags
 from tests.hf_models import write_hf_checkpoint
 
 STEPS = 8
@@ -34,19 +36,19 @@ def _llm(path, **kw) -> LLM:
 
 
 @pytest.fixture(params=[AMX, BF16_AVX512])
-def bf16_layout(request, monkeypatch) -> str:
+def bf16_layout(request) -> Iterator[str]:
     """The packed layout of bf16 weights on each native bf16 CPU this one can stand for:
     AMX where it has AMX-BF16; BF16_AVX512 where it has AVX-512 BF16, the engine then run as
     on a CPU without AMX (no AMX linears, no AMX prompt attention)."""
     if request.param == AMX:
         if amx_linear.load() is None:
             pytest.skip("no AMX-BF16 on this machine")
-    else:
+        yield request.param
+        return
+    with hidden_cpu_flags(*AMX_FLAGS):
         if bf16_avx512_linear.load() is None:
             pytest.skip("no AVX-512 BF16 on this machine")
-        monkeypatch.setattr(amx_linear, "load", lambda: None)
-        monkeypatch.setattr(cpu_features, "has_amx_bf16", lambda flags=None: False)
-    return request.param
+        yield request.param
 
 
 def _closeness(low: LLM, full: LLM) -> tuple[float, float]:
@@ -146,12 +148,12 @@ def test_a_bf16_prompt_computes_alike_whatever_chunks_it_is_cut_in(model, reques
 
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler on this machine")
 @pytest.mark.parametrize("model", ["checkpoint", "head_32_checkpoint"])
-def test_an_fp32_prompt_computes_alike_whatever_chunks_it_is_cut_in(model, request, monkeypatch):
+def test_an_fp32_prompt_computes_alike_whatever_chunks_it_is_cut_in(model, request):
     """The same in fp32, where the CPU has no AMX (on AMX, fp32 prompts never take it):
     a one-row prompt chunk takes the prompt kernel, not the decode rows' (whose sums
     differ in the last bits at head size 32)."""
-    monkeypatch.setattr(cpu_features, "has_amx_bf16", lambda flags=None: False)
-    _check_chunks(request.getfixturevalue(model), "float32")
+    with hidden_cpu_flags(*AMX_FLAGS):
+        _check_chunks(request.getfixturevalue(model), "float32")
 
 
 def _check_chunks(checkpoint: Path, dtype: str) -> None:

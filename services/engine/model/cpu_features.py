@@ -5,9 +5,7 @@ from __future__ import annotations
 import os
 from functools import cache
 
-# Native bf16 dot products: AVX-512 BF16 (Cooper Lake, Zen 4+) or AMX (Sapphire Rapids+).
-BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
-
+from services.engine.model import kernel_choice
 
 @cache
 def proc_flags() -> frozenset[str]:
@@ -51,13 +49,13 @@ def cpu_vendor() -> str:
 
 def has_native_bf16(flags: frozenset[str] | None = None) -> bool:
     """Whether the CPU computes bf16 products natively (else oneDNN would emulate them)."""
-    return bool(BF16_FLAGS & (cpu_flags() if flags is None else flags))
+    return kernel_choice.native_bf16(cpu_flags() if flags is None else flags)
 
 
 def has_amx_bf16(flags: frozenset[str] | None = None) -> bool:
     """Whether the CPU has AMX bf16 tiles (Sapphire Rapids+), on which torch's bf16
     attention kernel runs its products, and the OS lets this process use them."""
-    if "amx_bf16" not in (cpu_flags() if flags is None else flags):
+    if not kernel_choice.amx_tiles(cpu_flags() if flags is None else flags):
         return False
     import torch
 

@@ -48,11 +48,12 @@ from torch import nn
 
 from services.common.config import CPU_WEIGHT_LAYOUTS as LAYOUTS
 from services.engine import huge_pages
-from services.engine.model import amx_linear, bf16_avx512_linear, cpu_kernels, packed_linear
+from services.engine.model import (amx_linear, bf16_avx512_linear, cpu_features, cpu_kernels,
+                                   kernel_choice, packed_linear)
+from services.engine.model.kernel_choice import AMX, BF16_AVX512
 
 # storage layouts, not options: bf16 weights packed for AMX tiles, or the same blocks for
 # the AVX-512 kernels on a CPU with AVX-512 BF16 but without AMX
-AMX, BF16_AVX512 = "amx", "bf16-avx512"
 PAIR_PACKED = (AMX, BF16_AVX512)
 
 # Input rows up to which the GEMV beats oneDNN, per weight dtype (bf16 widens each
@@ -151,10 +152,10 @@ def storage_layout(layout: str, dtype: torch.dtype, native: bool) -> str:
     if layout not in LAYOUTS:
         raise ValueError(f"CPU weight layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
     if layout == "packed" and dtype == torch.bfloat16 and native:
-        if amx_linear.load() is not None:
-            return AMX
-        if bf16_avx512_linear.load() is not None:
-            return BF16_AVX512
+        chosen = kernel_choice.bf16_weights(cpu_features.cpu_flags())
+        loader = {AMX: amx_linear.load, BF16_AVX512: bf16_avx512_linear.load}.get(chosen)
+        if loader is not None and loader() is not None:
+            return chosen
     if layout == "packed" and not (dtype == torch.float32 and native and packed_linear.load() is not None):
         return "blocked"
     return layout

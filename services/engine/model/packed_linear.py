@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from services.engine import huge_pages
-from services.engine.model import cpu_features, cpu_kernels
+from services.engine.model import cpu_features, cpu_kernels, kernel_choice
 from services.engine.model.cpu_kernels import CpuKernels, bind
 
 PANEL = 32  # TANDEM_PACK_WIDTH in csrc/kernels.h
@@ -139,17 +139,12 @@ class PackedEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.weight.shape[1]}, packed"
 
 
-def has_vector_kernel(flags: frozenset[str]) -> bool:
-    """Whether ``csrc/packed_linear.c`` has a vector micro-kernel for these CPU flags."""
-    return "avx512f" in flags or {"avx2", "fma"} <= flags
-
-
 @cache
 def load() -> PackedKernels | None:
     """The packed kernels where they are fast: a CPU with AVX-512, or AVX2 and FMA (the
     portable loop is far slower than oneDNN on prompts, so layers keep oneDNN elsewhere),
     and a native library that builds; else None."""
-    if not has_vector_kernel(cpu_features.cpu_flags()):
+    if not kernel_choice.packed_fp32(cpu_features.cpu_flags()):
         return None
     kernels = cpu_kernels.load()
     return None if kernels is None else PackedKernels(kernels)

@@ -1,0 +1,35 @@
+"""Running the engine as a CPU of another class: flags hidden by ``TANDEM_CPU_FLAGS_OFF``
+(read by ``cpu_features.cpu_flags``), and the kernel loaders that read them asked again."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from services.engine.model import amx_linear, bf16_avx512_linear, cpu_features, packed_linear
+
+AMX_FLAGS = ("amx_bf16", "amx_tile", "amx_int8")
+_FLAG_CACHES = (cpu_features.cpu_flags, amx_linear.load, bf16_avx512_linear.load, packed_linear.load)
+
+
+def forget_flags() -> None:
+    """Clear what was decided from the flags seen so far."""
+    for f in _FLAG_CACHES:
+        f.cache_clear()
+
+
+@contextmanager
+def hidden_cpu_flags(*flags: str) -> Iterator[frozenset[str]]:
+    """Run the engine as on this CPU without ``flags``; yields the flags it then sees."""
+    before = os.environ.get("TANDEM_CPU_FLAGS_OFF")
+    os.environ["TANDEM_CPU_FLAGS_OFF"] = ",".join(flags)
+    forget_flags()
+    try:
+        yield cpu_features.cpu_flags()
+    finally:
+        if before is None:
+            del os.environ["TANDEM_CPU_FLAGS_OFF"]
+        else:
+            os.environ["TANDEM_CPU_FLAGS_OFF"] = before
+        forget_flags()
