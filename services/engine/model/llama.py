@@ -139,7 +139,8 @@ class LlamaModel(nn.Module):
         tensors += [t for m in self.modules() if hasattr(m, "weight_tensors") for t in m.weight_tensors()]
         table = self.embed_tokens.weight
         head = getattr(self.lm_head, "weight", None)
-        tied = head is not None and _storage_key(head) == _storage_key(table)
+        # no head of its own (a tied one on torch's path): the table is the head
+        tied = self.lm_head is None or (head is not None and _storage_key(head) == _storage_key(table))
         skip = set() if include_embedding or tied else {_storage_key(table)}
         stored = {_storage_key(t): t.numel() * t.element_size() for t in tensors}
         return sum(n for ptr, n in stored.items() if ptr not in skip)
