@@ -131,7 +131,8 @@ def test_deadline_before_the_first_token_is_504(tok, stream):
 
 def test_deadline_mid_stream_ends_with_an_error_event(tok):
     fake = FakeBackend(model_id=MODEL, vocab_size=tok.vocab_size, hang_after=2)
-    with ServerThread(create_app(fake, tok, request_timeout_s=0.3)) as srv:
+    # the backend hangs after 2 tokens: the deadline, however long, comes after them
+    with ServerThread(create_app(fake, tok, request_timeout_s=2.0)) as srv:
         r = httpx.post(srv.url + "/v1/completions", json=completion(stream=True, max_tokens=10, ignore_eos=True),
                        timeout=10)
         events = _events(r)

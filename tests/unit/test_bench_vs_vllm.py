@@ -66,9 +66,27 @@ def test_interleaved_runs_against_a_stand_in(tmp_path, tiny_model_dir, capsys):
     assert "best of 3 calls per side" in printed
 
 
-def test_each_call_waits_for_the_other_side_to_go_idle(tmp_path, tiny_model_dir, capsys):
+def test_each_call_waits_for_the_other_side_to_go_idle(tmp_path, tiny_model_dir, capsys, monkeypatch):
     """A side still polling a core after its call (as vLLM does for about a second) would
-    slow the next measurement of the other side: the driver waits for it to go idle."""
+    slow the next measurement of the other side: the driver waits for it to go idle.
+    (How long the waits take is this machine's; ``wait_until_idle`` itself is tested in
+    tests/unit/test_plan.py.)"""
+    from services.bench import side_by_side
+    from services.bench.side_protocol import Side
+
+    events: list[tuple] = []  # ("wait", pid, seconds) and ("call", side, pid, op), in order
+
+    def wait_until_idle(pid: int) -> float:
+        waited = real_wait(pid)
+        events.append(("wait", pid, waited))
+        return waited
+
+    def call(self, op, timeout_s, **fields):
+        events.append(("call", self.name, self.pid, op))
+        return real_call(self, op, timeout_s, **fields)
+    real_wait, real_call = side_by_side.wait_until_idle, Side.call
+    monkeypatch.setattr(side_by_side, "wait_until_idle", wait_until_idle)
+    monkeypatch.setattr(Side, "call", call)
     out = tmp_path / "r.json"
     rc = main(["bench", "offline", "--model", str(tiny_model_dir),
                "--vllm-python", str(_fake_python(tmp_path, "FAKE_VLLM_SPIN_S=0.6")),
@@ -76,8 +94,14 @@ def test_each_call_waits_for_the_other_side_to_go_idle(tmp_path, tiny_model_dir,
                "--output-len", "2", "--ttft-lens", "16", "--dtype", "bfloat16", "--json", str(out)])
     assert rc == 0
     r = json.loads(out.read_text())
-    assert r["settle_s"]["vllm"] >= 0.4  # it waited out the spinning
-    assert r["settle_s"]["tandem"] < 0.4
+    pids = {name: pid for kind, name, pid, _ in (e for e in events if e[0] == "call")}
+    measured = [i for i, e in enumerate(events) if e[0] == "call" and e[3] in ("generate", "ttft")]
+    assert {events[i][1] for i in measured} == {"tandem", "vllm"}
+    for i in measured:  # right before each measured call: a wait for the other side, only
+        other = next(name for name in pids if name != events[i][1])
+        assert events[i - 1][:2] == ("wait", pids[other]), events[max(0, i - 3):i + 1]
+    for name, pid in pids.items():  # each side's longest wait is reported
+        assert r["settle_s"][name] == max(e[2] for e in events if e[0] == "wait" and e[1] == pid)
     assert r["sides"]["vllm"]["request"]["dtype"] == "bfloat16"  # both sides at the same precision
     assert "bfloat16" in capsys.readouterr().out
 

@@ -279,31 +279,69 @@ def test_background_sampler_is_not_biased_by_counters_that_tick_apart(monkeypatc
     assert len(sampler.samples) == 10
 
 
-def test_background_sampler_counts_other_processes_cpu_not_ours():
-    import json
+class _FakeProc:
+    """/proc as ``services.bench.cpu_load`` reads it, set by the test: the clock, the CPU
+    seconds all CPUs have been busy, and each live process's CPU seconds and parent."""
+
+    def __init__(self, monkeypatch) -> None:
+        from types import SimpleNamespace
+
+        from services.bench import cpu_load
+
+        self.now, self.busy, self.cpu, self.parent = 0.0, 0.0, {}, {}
+        monkeypatch.setattr(cpu_load, "time", SimpleNamespace(monotonic=lambda: self.now,
+                                                              sleep=lambda s: self.advance(s)))
+        monkeypatch.setattr(cpu_load, "busy_cpu_seconds", lambda: self.busy)
+        monkeypatch.setattr(cpu_load, "process_cpu_seconds", lambda pid: self.cpu.get(pid))
+        monkeypatch.setattr(cpu_load, "_children", self.children)
+
+    def children(self) -> dict[int, list[int]]:
+        kids: dict[int, list[int]] = {}
+        for pid in self.cpu:
+            kids.setdefault(self.parent.get(pid, 0), []).append(pid)
+        return kids
+
+    def advance(self, dt: float, *, others: float = 0.0, **cores: float) -> None:
+        """``dt`` seconds pass: process ``p<pid>`` busy ``cores["p<pid>"]`` cores, other
+        processes (outside any tree) ``others`` cores."""
+        self.now += dt
+        for name, c in cores.items():
+            self.cpu[int(name[1:])] += c * dt
+        self.busy += (others + sum(cores.values())) * dt
+
+
+def test_background_sampler_counts_other_processes_cpu_not_ours(monkeypatch):
     import os
-    import statistics
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    from services.bench.cpu_load import process_cpu_seconds
+    from services.bench.cpu_load import BackgroundSampler, busy_cpu_seconds, process_cpu_seconds
 
-    # The machine's own background (other test processes winding down, say) comes and goes and
-    # takes cores from the spinners, so each measurement is checked against the machine's busy
-    # time over the same interval: our busy thread is left out, their busy process counted.
-    # Measured in a process of its own (tests/cpu_sampler_probe.py): none of this session's
-    # children (a Ray cluster's) in the sampler's tree.
-    root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-m", "tests.cpu_sampler_probe"], cwd=root, check=True,
-                         capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": str(root)}).stdout
-    probe = json.loads(out.strip().splitlines()[-1])
-    ours, theirs = probe["ours"], probe["theirs"]
-    assert statistics.median(spin for _, _, spin in ours) > 0.5, ours  # our thread did run
-    assert statistics.median(abs(counted - others) for counted, others, _ in ours) < 0.3, ours
-    assert statistics.median(spin for _, _, spin in theirs) > 0.5, theirs
-    assert statistics.median(counted - spin for counted, _, spin in theirs) > -0.3, theirs
+    proc = _FakeProc(monkeypatch)
+    proc.cpu = {10: 0.0, 20: 0.0}  # ours (10) and a process of someone else's (20)
+    sampler = BackgroundSampler(lambda: [10], interval_s=1.0)
+    sampler.sample()  # the first sample only starts
+    proc.advance(1.0, p10=1.0, p20=0.5, others=0.25)  # our busy thread is left out, theirs counted
+    sampler.sample()
+    proc.cpu[11], proc.parent[11] = 5.0, 10  # a child of ours: from the first sample that sees it
+    proc.advance(1.0, p10=1.0, p20=0.5, others=0.25)
+    sampler.sample()
+    proc.advance(1.0, p10=0.5, p11=1.0, p20=0.5, others=0.25)
+    sampler.sample()
+    proc.advance(1.0, p10=1.0, p20=0.5, others=2.25)
+    del proc.cpu[11]  # our child ended
+    assert sampler.stop() == pytest.approx((3 * 0.75 + 2.75) / 4)
+    assert sampler.samples == pytest.approx([0.75, 0.75, 0.75, 2.75])
+    # the mean is clamped: fewer busy seconds than ours (a counter lag) is no background
+    proc2 = _FakeProc(monkeypatch)
+    proc2.cpu = {10: 0.0}
+    lagging = BackgroundSampler(lambda: [10], interval_s=1.0)
+    lagging.sample()
+    proc2.advance(1.0, p10=1.0)
+    proc2.busy -= 0.2
+    assert lagging.stop() == 0.0 and lagging.samples == pytest.approx([-0.2])
+    assert BackgroundSampler(lambda: [10]).stop() is None  # no interval measured
+    # the real /proc readers
+    monkeypatch.undo()
+    assert busy_cpu_seconds() > 0
     assert process_cpu_seconds(os.getpid()) > 0
     assert process_cpu_seconds(2**22 + 12345) is None  # no such process
 
@@ -380,26 +418,46 @@ def test_a_gpu_profile_plans_one_gpu_per_worker_without_cpu_sharing(tmp_path, ca
     assert plan["recommended"] == "1P+1D"  # the cheaper mix: 2 GPUs
 
 
-def test_tree_cpu_counts_descendants_and_idle_wait_waits_for_them():
+def test_tree_cpu_counts_descendants():
     import subprocess
     import sys
-    import time
 
     from services.bench.cpu_load import tree_cpu_seconds, wait_until_idle
 
-    spin = "import time\nend = time.monotonic() + 0.6\nwhile time.monotonic() < end: pass\ntime.sleep(30)"
-    # the spinning process is a grandchild: a shell runs it
-    proc = subprocess.Popen(["/bin/sh", "-c", f"{sys.executable} -c '{spin}'; true"])
+    # the busy process is a grandchild (a shell runs it): 0.6 s of its own CPU time (however
+    # long that takes on this machine), then it says so and sleeps
+    spin = "import time\nwhile time.process_time() < 0.6: pass\nprint(1, flush=True)\ntime.sleep(60)"
+    proc = subprocess.Popen(["/bin/sh", "-c", f"{sys.executable} -c '{spin}'; true"], stdout=subprocess.PIPE)
     try:
-        waited = wait_until_idle(proc.pid, max_s=10)
-        assert waited >= 0.3  # it waited out the grandchild's spinning
-        assert tree_cpu_seconds(proc.pid) >= 0.3
-        t0 = time.monotonic()
-        assert wait_until_idle(proc.pid, max_s=10) < 1.0 and time.monotonic() - t0 < 1.0  # idle now
+        assert proc.stdout.readline() == b"1\n"
+        assert tree_cpu_seconds(proc.pid) >= 0.5
+        # at rest now (both asleep): the wait ends on an idle window, not at its limit
+        assert wait_until_idle(proc.pid, max_s=60) < 60
     finally:
         subprocess.run(["pkill", "-P", str(proc.pid)], check=False)  # the grandchild first
         proc.kill()
         proc.wait()
+        proc.stdout.close()
+
+
+def test_idle_wait_waits_while_the_tree_is_busy_and_gives_up_at_its_limit(monkeypatch):
+    from services.bench import cpu_load
+    from services.bench.cpu_load import wait_until_idle
+
+    proc = _FakeProc(monkeypatch)
+    proc.cpu, proc.parent = {1: 0.0, 2: 0.0}, {2: 1}
+    busy_until = {2: 0.75}  # the child: a core until 0.75 s, then asleep
+
+    def sleep(dt: float) -> None:
+        proc.advance(dt, p2=1.0 if proc.now < busy_until[2] else 0.0)
+    monkeypatch.setattr(cpu_load.time, "sleep", sleep)
+    assert wait_until_idle(1, max_s=10, window_s=0.25) == 1.0  # windows to 0.75 busy, the next idle
+    assert wait_until_idle(1, max_s=10, window_s=0.25) == 0.25  # idle at once: one window
+    busy_until[2] = 100.0  # never idle: gives up at max_s
+    assert wait_until_idle(1, max_s=2.0, window_s=0.25) == 2.0
+    # under busy_cores a tree counts as idle (a poll now and then)
+    monkeypatch.setattr(cpu_load.time, "sleep", lambda dt: proc.advance(dt, p2=0.04))
+    assert wait_until_idle(1, max_s=10, window_s=0.25, busy_cores=0.05) == 0.25
 
 
 def test_pooled_sweeps_score_each_rate_over_every_sequence():

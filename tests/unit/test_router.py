@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 import time
 from dataclasses import replace
 
@@ -256,15 +257,27 @@ def test_disaggregated_without_prefill_workers_falls_back_or_refuses():
 
 # -- admission control --------------------------------------------------------------------
 
-def test_full_queues_are_refused_at_once_with_a_retry_hint():
+def test_full_queues_are_refused_at_once_with_a_retry_hint(monkeypatch):
     d0 = FakeWorker("d0", "decode")
     r = Router(make(max_queued_requests=2, retry_after_s=0.5), [d0, FakeWorker("p0", "prefill")])
     r.route("r1", prompt(16), 8), r.route("r2", prompt(16), 8)
     before = r.pending_summary()
-    t0 = time.monotonic()
-    with pytest.raises(ClusterFullError, match="1 with 2 queued") as exc:
-        r.route("r3", prompt(16), 8)
-    assert time.monotonic() - t0 < 0.1
+    waits, me = [], threading.get_ident()  # at once: the refusal never sleeps or waits for room
+
+    def refused_without_waiting(wait):
+        def call(*args, **kwargs):
+            if threading.get_ident() != me:  # another thread's waits are not the router's
+                return wait(*args, **kwargs)
+            waits.append(wait.__qualname__)
+            raise AssertionError(f"the router waited ({wait.__qualname__}) before refusing")
+        return call
+    with monkeypatch.context() as m:
+        for owner, name in ((time, "sleep"), (threading.Event, "wait"), (threading.Condition, "wait"),
+                            (threading.Condition, "wait_for")):
+            m.setattr(owner, name, refused_without_waiting(getattr(owner, name)))
+        with pytest.raises(ClusterFullError, match="1 with 2 queued") as exc:
+            r.route("r3", prompt(16), 8)
+    assert waits == []
     assert exc.value.retry_after_s == 0.5 and not isinstance(exc.value, NoWorkersError)
     assert r.pending_summary() == before  # a refused request leaves nothing behind
     r.complete("r1")
