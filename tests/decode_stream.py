@@ -12,8 +12,8 @@ import contextlib
 import secrets
 from collections.abc import AsyncIterator
 
-from services.decode.feed import StreamError
-from services.protocol.request_path import DecodeRequest, TokenDelta
+from tandem.decode.feed import StreamError
+from tandem.protocol.request_path import DecodeRequest, TokenDelta
 
 
 async def decode_stream(worker, req: DecodeRequest) -> AsyncIterator[TokenDelta]:

@@ -1,6 +1,6 @@
-"""A stand-in for ``services.bench.vllm_side`` where vLLM is not installed (CI).
+"""A stand-in for ``tandem.bench.vllm_side`` where vLLM is not installed (CI).
 
-Speaks the same protocol (``services.bench.side_protocol``). Its timings are fixed so
+Speaks the same protocol (``tandem.bench.side_protocol``). Its timings are fixed so
 that a test can check the driver's arithmetic: every ``generate`` reports
 ``FAKE_VLLM_GENERATE_S`` seconds, and the ``ttft`` calls the comma-separated
 ``FAKE_VLLM_TTFT_S`` in turn. It prints on
@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any
 
-from services.bench.side_protocol import serve
+from tandem.bench.side_protocol import serve
 
 GENERATE_S = float(os.environ.get("FAKE_VLLM_GENERATE_S", "0.5"))
 TTFT_S = [float(x) for x in os.environ.get("FAKE_VLLM_TTFT_S", "0.25").split(",")]

@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
-from services.engine.model import kernel_build
+from tandem.engine.kernels import kernel_build
 
 
 def build_for(tmp_path: Path, march: str, sources: tuple[str, ...]) -> SimpleNamespace:

@@ -6,7 +6,7 @@ The JSON files are generated, not hand-edited: change this file, then run
 
 from the repository root. tests/unit/test_dashboards.py fails when the committed
 JSON differs from what this script writes, when a query names a metric that
-services/common/metrics.py does not export, or when a query does not parse.
+services/tandem/common/metrics.py does not export, or when a query does not parse.
 
 Conventions:
 - every panel and query uses the datasource template variable ``${datasource}``;
@@ -25,12 +25,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = Path(__file__).resolve().parent / "dashboards"
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+if str(ROOT / "services") not in sys.path:  # the source tree, installed or not
+    sys.path.insert(0, str(ROOT / "services"))
 
 from prometheus_client.utils import floatToGoString  # noqa: E402
 
-from services.common.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS  # noqa: E402
+from tandem.common.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS  # noqa: E402
 
 DS = {"type": "prometheus", "uid": "${datasource}"}
 RI = "$__rate_interval"

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from services.engine import LLM, SamplingParams
+from tandem.engine import LLM, SamplingParams
 from tests.hf_models import ARCH_CONFIGS, write_hf_checkpoint
 from tests.integration.test_engine_parity import MAX_NEW, _hf_greedy, _prompts
 
@@ -88,8 +88,8 @@ def test_bf16_first_tokens_match_transformers_on_cuda(checkpoint, capsys):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 5e-2)])
 @pytest.mark.parametrize("window", [None, 37])
 def test_triton_kernel_matches_reference_on_cuda(dtype, tol, window):
-    from services.bench.gpucheck.kernel_check import MIXED_BATCH, random_batch, reference_attention
-    from services.engine.model import triton_kernels
+    from tandem.gpucheck.kernel_check import MIXED_BATCH, random_batch, reference_attention
+    from tandem.engine.kernels import triton_kernels
 
     torch.manual_seed(0)
     table, starts, ctx = random_batch(MIXED_BATCH, 16, 64, torch.device(DEVICE))
@@ -124,7 +124,7 @@ def test_auto_dtype_on_cuda_is_the_checkpoint_dtype(tmp_path, tiny_model_dir):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_bench_decode_step_timing(tmp_path_factory, dtype, capsys):
     """Print, don't assert: a batch-1 decode step of the bench preset vs the bandwidth floor."""
-    from services.engine.default_model import write_model
+    from tandem.engine.default_model import write_model
 
     path = write_model("bench", tmp_path_factory.mktemp("bench") / "model")
     llm = LLM(str(path), device=DEVICE, dtype=dtype, num_blocks=64)

@@ -32,7 +32,7 @@ def test_one_rank_self_send_moves_bytes_exactly():
 
 
 def test_kv_blocks_survive_gather_send_scatter_on_cuda():
-    from services.engine.kv_cache.paged_cache import PagedKVCache
+    from tandem.engine.kv_cache.paged_cache import PagedKVCache
 
     src = PagedKVCache(4, 64, 16, 2, 64, torch.bfloat16, torch.device("cuda"))
     dst = PagedKVCache(4, 64, 16, 2, 64, torch.bfloat16, torch.device("cuda"))
@@ -48,7 +48,7 @@ def test_kv_blocks_survive_gather_send_scatter_on_cuda():
 def test_a_busy_transfer_stream_never_holds_up_compute():
     """The stream-ordering probe: work pending on a transfer stream (as a receive posted
     for an idle peer) does not delay compute on the worker's compute stream."""
-    from services.transfer.streams import CudaSync, wait_until_done
+    from tandem.transfer.device_sync import CudaSync, wait_until_done
 
     sync = CudaSync(torch.device("cuda", torch.cuda.current_device()))
     transfer, compute = sync.new_stream("kv"), sync.new_stream("compute")
@@ -66,7 +66,7 @@ def test_a_busy_transfer_stream_never_holds_up_compute():
 
 
 def _pair_check(devices):
-    from services.transfer.pair_check import check_pair
+    from tandem.transfer.pair_check import check_pair
 
     return check_pair("auto", devices, num_blocks=64, repeats=4, timeout_s=120)
 
@@ -94,10 +94,10 @@ def test_cluster_over_nccl_matches_offline(tiny_model_dir):
 
     import ray
 
-    from services.cluster.cluster import Cluster
-    from services.common.config import CacheConfig, ClusterConfig, EngineConfig
-    from services.common.sampling_params import SamplingParams
-    from services.engine import LLM
+    from tandem.cluster.cluster import Cluster
+    from tandem.common.config import CacheConfig, ClusterConfig, EngineConfig
+    from tandem.common.sampling_params import SamplingParams
+    from tandem.engine import LLM
 
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     prompts = [[5 + i] * n for i, n in enumerate((3, 40, 130))]

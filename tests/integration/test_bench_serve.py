@@ -15,9 +15,9 @@ import httpx
 import jsonschema
 import pytest
 
-from services.bench import serve as serve_bench
-from services.bench.launcher import TandemServer
-from services.bench.server_cpu import fit_per_step_and_token
+from tandem.bench import serve as serve_bench
+from tandem.bench.launcher import TandemServer
+from tandem.bench.server_cpu import fit_per_step_and_token
 
 ROOT = Path(__file__).resolve().parents[2]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -70,7 +70,7 @@ def server(tiny_model_dir):
 
 
 def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cluster.cli", "bench", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "tandem.cli.main", "bench", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -165,8 +165,8 @@ def test_bench_compare_runs_both_modes_and_another_server(server, tiny_model_dir
 
 
 def test_plan_validate_measures_a_started_server_and_its_cpu(tiny_model_dir, tmp_path):
-    from services.bench import profile as profile_mod
-    from services.bench.perf_model import attention_pairs
+    from tandem.planner import profile as profile_mod
+    from tandem.planner.perf_model import attention_pairs
 
     pts = {"prefill": [{"tokens": n, "seqs": 1, "pairs": attention_pairs(n), "seconds": 0.005 + 1e-5 * n}
                        for n in (16, 64, 256)],
@@ -182,7 +182,7 @@ def test_plan_validate_measures_a_started_server_and_its_cpu(tiny_model_dir, tmp
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(prof))
     out = tmp_path / "plan"
-    proc = subprocess.run([sys.executable, "-m", "services.cluster.cli", "plan", "--profile", str(path),
+    proc = subprocess.run([sys.executable, "-m", "tandem.cli.main", "plan", "--profile", str(path),
                            "--mixes", "colocatedx1,1P+1D-conditional", "--input-len", "uniform:8-24",
                            "--local-prefill-threshold", "16", "--output-len", "8",
                            "--num-prompts", "6", "--rates", "4", "--slo-ttft-ms", "3000", "--slo-tpot-ms", "500",
@@ -227,7 +227,7 @@ def test_plan_validate_measures_a_started_server_and_its_cpu(tiny_model_dir, tmp
 
 def test_request_path_fits_a_started_servers_cpu_per_step_and_token(tiny_model_dir, tmp_path):
     out = tmp_path / "path.json"
-    proc = subprocess.run([sys.executable, "-m", "services.cluster.cli", "bench", "request-path",
+    proc = subprocess.run([sys.executable, "-m", "tandem.cli.main", "bench", "request-path",
                            "--model", str(tiny_model_dir), "--streams", "1,4", "--rounds", "1",
                            "--output-len", "8", "--json", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)

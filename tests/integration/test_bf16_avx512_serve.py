@@ -9,11 +9,11 @@ import random
 
 import pytest
 
-from services.bench.launcher import TandemServer
-from services.common.sampling_params import SamplingParams
-from services.engine import LLM
-from services.engine.model import bf16_avx512_linear
-from services.engine.model.onednn import BF16_AVX512
+from tandem.bench.launcher import TandemServer
+from tandem.common.sampling_params import SamplingParams
+from tandem.engine import LLM
+from tandem.engine.kernels import bf16_avx512_linear
+from tandem.engine.kernels.onednn import BF16_AVX512
 from tests.cpu_class import hidden_cpu_flags
 
 pytestmark = pytest.mark.skipif(bf16_avx512_linear.load() is None, reason="no AVX-512 BF16 on this machine")
@@ -26,7 +26,7 @@ SEED, MAX_TOKENS = 7, 8
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
-    from services.engine.default_model import write_model
+    from tandem.engine.default_model import write_model
 
     return str(write_model("small", tmp_path_factory.mktemp("small") / "model"))  # heads of 32
 

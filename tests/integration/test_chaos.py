@@ -19,9 +19,9 @@ import time
 
 import pytest
 
-from services.common.config import CacheConfig, ClusterConfig, EngineConfig
-from services.common.sampling_params import SamplingParams
-from services.engine import LLM
+from tandem.common.config import CacheConfig, ClusterConfig, EngineConfig
+from tandem.common.sampling_params import SamplingParams
+from tandem.engine import LLM
 from tests.hf_models import VOCAB
 from tests.integration.test_cluster import wait_all_free
 
@@ -43,7 +43,7 @@ def reference(checkpoint, prompts):
 
 @pytest.fixture
 def cluster(ray_session, checkpoint):
-    from services.cluster.cluster import Cluster
+    from tandem.cluster.cluster import Cluster
 
     engine = EngineConfig(model=checkpoint, cache=CacheConfig(num_blocks=512))
     c = Cluster(ClusterConfig(engine=engine, prefill_workers=1, decode_workers=2,

@@ -11,9 +11,9 @@ import time
 import pytest
 import ray
 
-from services.common.config import CacheConfig, ClusterConfig, EngineConfig
-from services.common.sampling_params import SamplingParams
-from services.engine import LLM
+from tandem.common.config import CacheConfig, ClusterConfig, EngineConfig
+from tandem.common.sampling_params import SamplingParams
+from tandem.engine import LLM
 from tests.hf_models import VOCAB
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -65,7 +65,7 @@ def wait_all_free(cluster, timeout_s: float = 10.0) -> list[dict]:
 
 
 def block_bytes(checkpoint: str, block_size: int = 16) -> int:
-    from services.engine.model.config import ModelConfig
+    from tandem.engine.model.config import ModelConfig
 
     mc = ModelConfig.from_dir(checkpoint)
     return mc.num_layers * 2 * block_size * mc.num_kv_heads * mc.head_dim * 4
@@ -82,7 +82,7 @@ MODES = {
 
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_outputs_match_offline_engine(ray_session, checkpoint, prompts, reference, mode):
-    from services.cluster.cluster import Cluster
+    from tandem.cluster.cluster import Cluster
 
     cluster = Cluster(_config(checkpoint, **MODES[mode])).start()
     try:
@@ -114,7 +114,7 @@ def test_conditional_keeps_prompts_local_while_the_prefill_worker_has_a_backlog(
     """Saturation by wait: with a zero-second bound, once the prefill worker has measured
     its rate, a prompt goes there only while nothing is queued on it; the rest prefill on
     the decode worker. Every output still equals the offline engine's."""
-    from services.cluster.cluster import Cluster
+    from tandem.cluster.cluster import Cluster
 
     cluster = Cluster(_config(checkpoint, mode="conditional", prefill_workers=1,
                               decode_workers=1, local_prefill_threshold=0,
@@ -138,7 +138,7 @@ def test_conditional_keeps_prompts_local_while_the_prefill_worker_has_a_backlog(
 def test_in_place_transfers_match_offline_engine(ray_session, checkpoint, prompts, reference):
     """Every run sent from and received into the caches in place (threshold 0), twice:
     the second wave reuses freed blocks."""
-    from services.cluster.cluster import Cluster
+    from tandem.cluster.cluster import Cluster
 
     cluster = Cluster(_config(checkpoint, prefill_workers=1, decode_workers=1,
                               kv_in_place_min_bytes=0)).start()

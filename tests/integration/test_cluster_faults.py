@@ -11,9 +11,9 @@ from contextlib import aclosing
 import pytest
 import ray
 
-from services.common.config import ClusterConfig
-from services.common.sampling_params import SamplingParams
-from services.engine import LLM
+from tandem.common.config import ClusterConfig
+from tandem.common.sampling_params import SamplingParams
+from tandem.engine import LLM
 from tests.hf_models import VOCAB
 from tests.integration.test_cluster import _config, wait_all_free
 
@@ -37,7 +37,7 @@ def reference(checkpoint, prompts):
 
 @pytest.fixture
 def cluster(ray_session, checkpoint):
-    from services.cluster.cluster import Cluster
+    from tandem.cluster.cluster import Cluster
 
     c = Cluster(_config(checkpoint, prefill_workers=2, decode_workers=2)).start()
     yield c
@@ -88,7 +88,7 @@ def test_a_worker_killed_mid_stream_in_the_other_modes(ray_session, checkpoint, 
     """Colocated workers run both phases, and a conditional cluster prefills short prompts
     on the decode worker: a worker killed with streams under way still costs no token,
     and each stream already under way resumes on a survivor, which prefills it itself."""
-    from services.cluster.cluster import Cluster
+    from tandem.cluster.cluster import Cluster
 
     workers = dict(prefill_workers=1, decode_workers=1) if mode == "colocated" else \
         dict(prefill_workers=1, decode_workers=2, local_prefill_threshold=40)
@@ -176,7 +176,7 @@ def test_an_idle_cluster_heals_a_killed_worker_without_any_request(cluster):
 
 def test_a_broken_channel_makes_the_worker_not_alive_until_the_group_is_rebuilt(
         cluster, prompts, reference):
-    from services.cluster.backend import ClusterBackend
+    from tandem.cluster.backend import ClusterBackend
 
     backend = ClusterBackend(cluster, "m", 512, VOCAB)
     rebuilds = cluster.rebuilds

@@ -17,7 +17,7 @@ from tests.integration.test_cluster import _config, prompts, reference, run_all 
 
 _GATEWAY = """
 import json, os, sys, ray
-from services.cluster.cluster import Cluster
+from tandem.cluster.cluster import Cluster
 from tests.integration.test_cluster import _config
 ray.init(address=sys.argv[1], log_to_driver=False, configure_logging=False)
 c = Cluster(_config(sys.argv[2], prefill_workers=1, decode_workers=2), deployment="restart").start()
@@ -33,8 +33,8 @@ def _pids(cluster) -> dict[str, int]:
 
 def test_a_restarted_gateway_reattaches_to_the_workers_of_a_dead_one(ray_session, checkpoint,
                                                                      prompts, reference):
-    from services.cluster.attach import find, worker_identity
-    from services.cluster.cluster import Cluster
+    from tandem.cluster.attach import find, worker_identity
+    from tandem.cluster.cluster import Cluster
 
     address = ray.get_runtime_context().gcs_address
     out = subprocess.run([sys.executable, "-c", _GATEWAY, address, checkpoint],

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from services.common.sampling_params import SamplingParams
-from services.engine import LLM
+from tandem.common.sampling_params import SamplingParams
+from tandem.engine import LLM
 from tests.hf_models import VOCAB
 from tests.integration.test_cluster import _config, wait_all_free
 
@@ -181,11 +181,11 @@ def assert_same(case: Case, want: list[dict], got: list[dict], completion_tokens
 
 @pytest.fixture(scope="module", params=sorted(MODES))
 def served(request, ray_session, checkpoint):
-    from services.cluster.backend import ClusterBackend
-    from services.cluster.cluster import Cluster
-    from services.gateway.app import create_app
-    from services.gateway.server import ServerThread
-    from services.text.tokenizer import Tokenizer
+    from tandem.cluster.backend import ClusterBackend
+    from tandem.cluster.cluster import Cluster
+    from tandem.gateway.app import create_app
+    from tandem.gateway.server import ServerThread
+    from tandem.text.tokenizer import Tokenizer
 
     cluster = Cluster(_config(checkpoint, layer_group_size=1, **MODES[request.param])).start()
     backend = ClusterBackend(cluster, MODEL, CONTEXT, VOCAB)
@@ -222,11 +222,11 @@ def test_streams_survive_a_decode_worker_kill(ray_session, checkpoint, offline, 
     import openai
     import ray
 
-    from services.cluster.backend import ClusterBackend
-    from services.cluster.cluster import Cluster
-    from services.gateway.app import create_app
-    from services.gateway.server import ServerThread
-    from services.text.tokenizer import Tokenizer
+    from tandem.cluster.backend import ClusterBackend
+    from tandem.cluster.cluster import Cluster
+    from tandem.gateway.app import create_app
+    from tandem.gateway.server import ServerThread
+    from tandem.text.tokenizer import Tokenizer
 
     chosen = [c for c in cases if c.params.n == 1 and c.name != "context-limit"]
     chosen = [dataclasses.replace(c, params=dataclasses.replace(c.params, max_tokens=max(24, c.params.max_tokens)))

@@ -8,15 +8,15 @@ from __future__ import annotations
 import pytest
 import ray
 
-from services.cluster.cluster import Cluster
-from services.engine.model import packed_linear
+from tandem.cluster.cluster import Cluster
+from tandem.engine.kernels import packed_linear
 from tests.integration.test_cluster import _config, prompts, reference, run_all, wait_all_free  # noqa: F401
 
 
 def _layouts(actor) -> tuple[set[str], bool]:
     """(the projections' layouts, the decode stack built) on a worker's engine."""
     def probe(worker):
-        from services.engine.model.onednn import CpuLinear
+        from tandem.engine.kernels.onednn import CpuLinear
 
         model = worker.engine.runner.model
         layers = [m for m in model.layers.modules() if isinstance(m, CpuLinear)]

@@ -9,11 +9,11 @@ import sys
 import pytest
 import torch
 
-from services.engine import LLM, SamplingParams
-from services.engine.model import amx_linear, bf16_avx512_linear, cpu_features, cpu_kernels, packed_linear
-from services.engine.model.cpu_kernels import GEMV_MAX_ROWS
-from services.engine.model.decode_stack import DecodeStack
-from services.engine.model.onednn import AMX, BF16_AVX512, PAIR_PACKED
+from tandem.engine import LLM, SamplingParams
+from tandem.engine.kernels import (amx_linear, bf16_avx512_linear, cpu_features, cpu_kernels, packed_linear)
+from tandem.engine.kernels.cpu_kernels import GEMV_MAX_ROWS
+from tandem.engine.model.decode_stack import DecodeStack
+from tandem.engine.kernels.onednn import AMX, BF16_AVX512, PAIR_PACKED
 from tests.cpu_class import AMX_FLAGS, hidden_cpu_flags
 from tests.hf_models import write_hf_checkpoint
 

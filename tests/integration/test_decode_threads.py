@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from services.cluster.cluster import Cluster
-from services.common.sampling_params import SamplingParams
-from services.worker.threads import usable_cores
+from tandem.cluster.cluster import Cluster
+from tandem.common.sampling_params import SamplingParams
+from tandem.worker.threads import usable_cores
 from tests.integration.test_cluster import _config, prompts, reference, run_all, wait_all_free  # noqa: F401
 
 

@@ -7,17 +7,17 @@ import sys
 
 import pytest
 
-from services.bench.launcher import TandemServer
+from tandem.bench.launcher import TandemServer
 
 pytestmark = pytest.mark.real_model
 
 
 @pytest.fixture(scope="module")
 def default_server(real_model_dir):
-    """``python -m services.cluster.cli serve --port P``: nothing else (the model is converted
+    """``python -m tandem.cli.main serve --port P``: nothing else (the model is converted
     into the shared cache by the fixture first, so start-up does not count conversion)."""
     server = TandemServer("unused", startup_timeout_s=600)
-    server.argv = [sys.executable, "-m", "services.cluster.cli", "serve", "--port", str(server.port)]
+    server.argv = [sys.executable, "-m", "tandem.cli.main", "serve", "--port", str(server.port)]
     with server:
         yield server
 
@@ -108,7 +108,7 @@ def _in_flight(url: str) -> float:
 def test_tandem_chat_in_a_terminal(default_server):
     import time
 
-    term = Terminal([sys.executable, "-m", "services.cluster.cli", "chat", "--url", default_server.url,
+    term = Terminal([sys.executable, "-m", "tandem.cli.main", "chat", "--url", default_server.url,
                      "--temperature", "0", "--max-tokens", "1000"])
     try:
         term.read_until("chatting with SmolLM2-135M-Instruct")

@@ -17,8 +17,8 @@ import time
 import pytest
 import ray
 
-from services.common.sampling_params import SamplingParams
-from services.engine import LLM
+from tandem.common.sampling_params import SamplingParams
+from tandem.engine import LLM
 from tests.hf_models import VOCAB
 from tests.integration.test_cluster import _config, wait_all_free
 
@@ -67,8 +67,8 @@ async def _run(cluster, prompts):
 
 def _drain_through_ray(cluster):
     """``drain_worker`` as `tandem drain WORKER` does it (through Ray, to the gateway)."""
-    from services.cluster import control
-    from services.cluster.drain import DrainReport
+    from tandem.cluster import control
+    from tandem.cluster.drain import DrainReport
 
     def drain(worker_id: str, timeout_s: float) -> DrainReport:
         targets = control.find_workers([worker_id], name=cluster.control_name)
@@ -114,9 +114,9 @@ def test_drained_decode_workers_cut_no_stream(ray_session, checkpoint, prompts, 
     lets the streams finish in place, the second (timeout 0, requested through Ray)
     re-drives them; then one worker is left, and the pool is scaled back to two; the
     prefill pool grows and shrinks too."""
-    from services.cluster import cluster as cluster_module
-    from services.cluster import control
-    from services.cluster.cluster import LOAD_REFRESH_S, Cluster
+    from tandem.cluster import cluster as cluster_module
+    from tandem.cluster import control
+    from tandem.cluster.cluster import LOAD_REFRESH_S, Cluster
 
     monkeypatch.setattr(control, "POLL_S", CONTROL_POLL_S)
     cluster = Cluster(_config(checkpoint, prefill_workers=1, decode_workers=3)).start()

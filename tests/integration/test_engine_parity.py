@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from services.engine import LLM, SamplingParams
+from tandem.engine import LLM, SamplingParams
 from tests.hf_models import ARCH_CONFIGS, VOCAB, write_hf_checkpoint
 
 MAX_NEW = 24

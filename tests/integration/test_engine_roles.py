@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.common.config import CacheConfig, EngineConfig, EngineRole, SchedulerConfig
-from services.common.sampling_params import FinishReason, SamplingParams
-from services.engine.engine import LLMEngine
-from services.engine.kv_cache.kv_manager import blocks_needed
+from tandem.common.config import CacheConfig, EngineConfig, EngineRole, SchedulerConfig
+from tandem.common.sampling_params import FinishReason, SamplingParams
+from tandem.engine.engine import LLMEngine
+from tandem.engine.kv_cache.kv_manager import blocks_needed
 
 BS = 16
 MAX_NEW = 10

@@ -7,10 +7,10 @@ import asyncio
 import openai
 import pytest
 
-from services.common.sampling_params import FinishReason, SamplingParams
-from services.gateway import ServerThread, create_app
-from services.gateway.fake_backend import FakeBackend
-from services.text.tokenizer import Tokenizer
+from tandem.common.sampling_params import FinishReason, SamplingParams
+from tandem.gateway import ServerThread, create_app
+from tests.fake_backend import FakeBackend
+from tandem.text.tokenizer import Tokenizer
 
 MODEL = "fake-model"
 

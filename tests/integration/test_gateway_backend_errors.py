@@ -9,10 +9,10 @@ import httpx
 import openai
 import pytest
 
-from services.gateway import ServerThread, create_app
-from services.gateway.fake_backend import FakeBackend
-from services.router.errors import ClusterFullError, NoWorkersError, PromptTooLargeError
-from services.text.tokenizer import Tokenizer
+from tandem.gateway import ServerThread, create_app
+from tests.fake_backend import FakeBackend
+from tandem.router.errors import ClusterFullError, NoWorkersError, PromptTooLargeError
+from tandem.text.tokenizer import Tokenizer
 from tests.gateway_helpers import MODEL, assert_error, chat, completion
 
 
@@ -142,8 +142,8 @@ def test_deadline_mid_stream_ends_with_an_error_event(tok):
 
 
 def test_server_side_abort_is_503(tok):
-    from services.common.sampling_params import FinishReason
-    from services.protocol.request_path import TokenDelta
+    from tandem.common.sampling_params import FinishReason
+    from tandem.protocol.request_path import TokenDelta
 
     class Aborting(FakeBackend):
         async def _stream(self, rec):

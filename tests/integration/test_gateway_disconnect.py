@@ -11,9 +11,9 @@ import time
 import httpx
 import pytest
 
-from services.gateway import ServerThread, create_app
-from services.gateway.fake_backend import FakeBackend
-from services.text.tokenizer import Tokenizer
+from tandem.gateway import ServerThread, create_app
+from tests.fake_backend import FakeBackend
+from tandem.text.tokenizer import Tokenizer
 
 MODEL = "fake-model"
 
@@ -151,9 +151,9 @@ def test_shutdown_past_the_drain_timeout_aborts_what_is_left(tok):
 
 _SERVE_SCRIPT = """
 import sys
-from services.gateway import create_app, serve
-from services.gateway.fake_backend import FakeBackend
-from services.text.tokenizer import Tokenizer
+from tandem.gateway import create_app, serve
+from tests.fake_backend import FakeBackend
+from tandem.text.tokenizer import Tokenizer
 tok = Tokenizer.from_dir(sys.argv[1])
 app = create_app(FakeBackend(model_id="fake-model", vocab_size=tok.vocab_size, delay_s=0.02), tok)
 serve(app, "127.0.0.1", int(sys.argv[2]), drain_timeout_s=10, log_level="warning")
@@ -167,7 +167,7 @@ def test_sigterm_drains_the_stream_then_serve_returns(tiny_model_dir):
     import sys
     from pathlib import Path
 
-    from services.gateway import find_free_port
+    from tandem.gateway import find_free_port
 
     port = find_free_port()
     root = Path(__file__).resolve().parents[2]

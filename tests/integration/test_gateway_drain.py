@@ -11,9 +11,9 @@ import time
 import httpx
 import pytest
 
-from services.gateway import ServerThread, create_app
-from services.gateway.fake_backend import FakeBackend
-from services.text.tokenizer import Tokenizer
+from tandem.gateway import ServerThread, create_app
+from tests.fake_backend import FakeBackend
+from tandem.text.tokenizer import Tokenizer
 
 MODEL = "fake-model"
 

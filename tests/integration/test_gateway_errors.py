@@ -7,9 +7,9 @@ import json
 import httpx
 import pytest
 
-from services.gateway import ServerThread, create_app
-from services.gateway.fake_backend import FakeBackend
-from services.text.tokenizer import Tokenizer
+from tandem.gateway import ServerThread, create_app
+from tests.fake_backend import FakeBackend
+from tandem.text.tokenizer import Tokenizer
 from tests.gateway_helpers import MODEL, assert_error, chat, completion
 
 LIMIT = 64 * 1024

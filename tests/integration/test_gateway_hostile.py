@@ -13,13 +13,13 @@ import threading
 import httpx
 import pytest
 
-from services.common.sampling_params import MAX_STOP_STRING_CHARS, SamplingParams
-from services.gateway import ServerThread, create_app
-from services.gateway.errors import BACKEND_ERRORS
-from services.gateway.fake_backend import FakeBackend
-from services.router.driver import TransferError, WorkerLostError
-from services.router.errors import ClusterFullError, NoWorkersError, PromptTooLargeError
-from services.text.tokenizer import Tokenizer
+from tandem.common.sampling_params import MAX_STOP_STRING_CHARS, SamplingParams
+from tandem.gateway import ServerThread, create_app
+from tandem.gateway.errors import BACKEND_ERRORS
+from tests.fake_backend import FakeBackend
+from tandem.router.driver import TransferError, WorkerLostError
+from tandem.router.errors import ClusterFullError, NoWorkersError, PromptTooLargeError
+from tandem.text.tokenizer import Tokenizer
 from tests.gateway_helpers import MODEL, assert_error, assert_no_internals, chat, completion
 
 MAX_N, MAX_PROMPTS, LIMIT = 4, 8, 1 << 20

@@ -11,10 +11,10 @@ import json
 import httpx
 import pytest
 
-from services.common.sampling_params import (MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY,
+from tandem.common.sampling_params import (MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY,
                                              MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
                                              MIN_REPETITION_PENALTY, MIN_TEMPERATURE)
-from services.gateway.schemas import MAX_JSON_SEED
+from tandem.gateway.schemas import MAX_JSON_SEED
 from tests.gateway_helpers import assert_error, assert_no_internals
 from tests.integration.test_cluster import MODES, _config
 
@@ -23,12 +23,12 @@ MODEL, MAX_N, MAX_PROMPTS, LIMIT = "tiny", 4, 8, 1 << 20
 
 @pytest.fixture(scope="module", params=["1P1D", "colocated", "conditional"])
 def served(request, ray_session, checkpoint):
-    from services.cluster.backend import ClusterBackend
-    from services.cluster.cluster import Cluster
-    from services.engine.model.config import ModelConfig
-    from services.gateway.app import create_app
-    from services.gateway.server import ServerThread
-    from services.text.tokenizer import Tokenizer
+    from tandem.cluster.backend import ClusterBackend
+    from tandem.cluster.cluster import Cluster
+    from tandem.engine.model.config import ModelConfig
+    from tandem.gateway.app import create_app
+    from tandem.gateway.server import ServerThread
+    from tandem.text.tokenizer import Tokenizer
 
     cluster = Cluster(_config(checkpoint, **MODES[request.param])).start()
     mc = ModelConfig.from_dir(checkpoint)

@@ -15,9 +15,9 @@ import re
 
 import pytest
 
-from services.gateway import ServerThread, create_app
-from services.gateway.fake_backend import FakeBackend
-from services.text.tokenizer import Tokenizer
+from tandem.gateway import ServerThread, create_app
+from tests.fake_backend import FakeBackend
+from tandem.text.tokenizer import Tokenizer
 
 schemathesis = pytest.importorskip("schemathesis")
 hypothesis = pytest.importorskip("hypothesis")

@@ -30,7 +30,7 @@ KEY = "sk-listeners-0123456789"
 
 
 def _free_port() -> int:
-    from services.gateway.server import find_free_port
+    from tandem.gateway.server import find_free_port
 
     return find_free_port("127.0.0.1")
 
@@ -107,7 +107,7 @@ class Served(ProcessTree):
         self.log = tmp_path / "serve.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_API_KEY")}
         env |= {"PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"}
-        cmd = [sys.executable, "-m", "services.cluster.cli", "serve", "--port", str(self.port),
+        cmd = [sys.executable, "-m", "tandem.cli.main", "serve", "--port", str(self.port),
                "--kv-cache-gb", "0.25", *args]
         with open(self.log, "w") as out:
             proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.common.sampling_params import FinishReason, SamplingParams
-from services.engine.default_model import PRESETS
-from services.engine.llm import LLM
+from tandem.common.sampling_params import FinishReason, SamplingParams
+from tandem.engine.default_model import PRESETS
+from tandem.engine.llm import LLM
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 PROMPTS = ["The cache block", "Alice and Bob walk to the river.", "def build_model(x, y=3):", "Hello"]
@@ -45,7 +45,7 @@ def cache_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def llm(cache_dir) -> LLM:
     """The random ``small`` preset, written into the cache on first use."""
-    from services.engine.default_model import default_model_path
+    from tandem.engine.default_model import default_model_path
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TANDEM_CACHE_DIR", str(cache_dir))
@@ -78,7 +78,7 @@ def test_default_model_is_written_into_the_cache(llm, cache_dir):
     # a second LLM() with the same cache reuses the folder
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TANDEM_CACHE_DIR", str(cache_dir))
-        from services.engine.default_model import default_model_path
+        from tandem.engine.default_model import default_model_path
         assert default_model_path("small") == path
 
 

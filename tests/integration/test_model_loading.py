@@ -11,12 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.common.config import CacheConfig, EngineConfig
-from services.engine.engine import LLMEngine
-from services.engine.llm import LLM
-from services.common.sampling_params import SamplingParams
-from services.engine.model.config import ModelConfig
-from services.engine.model.loader import fp32_activations
+from tandem.common.config import CacheConfig, EngineConfig
+from tandem.engine.engine import LLMEngine
+from tandem.engine.llm import LLM
+from tandem.common.sampling_params import SamplingParams
+from tandem.engine.model.config import ModelConfig
+from tandem.engine.model.loader import fp32_activations
 from tests.hf_models import write_hf_checkpoint
 
 MAX_NEW = 12

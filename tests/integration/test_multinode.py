@@ -28,9 +28,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.common.sampling_params import SamplingParams
-from services.engine import LLM
-from services.worker.threads import usable_cores
+from tandem.common.sampling_params import SamplingParams
+from tandem.engine import LLM
+from tandem.worker.threads import usable_cores
 from tests.integration.test_cluster import block_bytes
 from tests.integration.test_listeners import ProcessTree, Served, _is_loopback, _listeners
 
@@ -215,7 +215,7 @@ def test_prefill_and_decode_on_two_nodes_match_the_offline_engine(two_nodes, che
 
         # `tandem drain --node` from another process reaches the gateway through Ray; the
         # only prefill worker stays (a pool is never emptied) and the cluster serves on
-        drain = subprocess.run([sys.executable, "-m", "services.cluster.cli", "drain", "--node",
+        drain = subprocess.run([sys.executable, "-m", "tandem.cli.main", "drain", "--node",
                                 nodes_of["prefill-0"]["node_id"], "--ray-address", address],
                                cwd=ROOT, capture_output=True, text=True, timeout=180)
         assert drain.returncode == 1, drain.stderr[-2000:]

@@ -12,10 +12,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from services.cluster.cluster import Cluster
-from services.common.sampling_params import SamplingParams
-from services.engine import LLM
-from services.engine.model import onednn, quantized
+from tandem.cluster.cluster import Cluster
+from tandem.common.sampling_params import SamplingParams
+from tandem.engine import LLM
+from tandem.engine.kernels import onednn, quantized
 from tests.integration.test_cluster import (GREEDY, LENGTHS, _config, block_bytes, prompts,  # noqa: F401
                                            run_all, wait_all_free)
 
@@ -85,7 +85,7 @@ def test_cluster_serves_the_offline_tokens(ray_session, checkpoint, prompts, mod
 
 @pytest.fixture(scope="module")
 def wider_model(tmp_path_factory) -> str:
-    from services.engine.default_model import write_model
+    from tandem.engine.default_model import write_model
 
     return str(write_model("small", tmp_path_factory.mktemp("small") / "model"))  # 256 wide, heads of 32
 

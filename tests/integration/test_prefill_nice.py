@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from services.common.config import ClusterConfig, EngineConfig
+from tandem.common.config import ClusterConfig, EngineConfig
 
 
 def _niceness(native_id: int) -> int:
@@ -16,7 +16,7 @@ def _niceness(native_id: int) -> int:
 
 @pytest.mark.skipif(not __import__("os").path.exists("/proc/self/task"), reason="Linux only")
 def test_a_nice_prefill_worker_runs_its_engine_thread_at_that_niceness(tiny_model_dir):
-    from services.prefill.worker import PrefillWorker
+    from tandem.prefill.worker import PrefillWorker
 
     box = {}
 

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from services.bench import profile as profile_mod
-from services.bench.perf_model import DecodeModel, PrefillModel, TransferModel
-from services.bench.step_timer import StepTimer
+from tandem.planner import profile as profile_mod
+from tandem.planner.perf_model import DecodeModel, PrefillModel, TransferModel
+from tandem.planner.step_timer import StepTimer
 
 GRID = profile_mod.Grid(prefill_tokens=(16, 64, 256), prefill_batches=((4, 32),),
                         decode_setups=((1, 32), (4, 64), (8, 32)), mixed_setups=((4, 64, (32, 128)),),
@@ -63,7 +63,7 @@ def test_each_kind_of_worker_is_timed_on_its_own_layout(ray_session, tiny_model_
 
 @pytest.mark.parametrize("layout", ["plain", "blocked"])
 def test_a_step_timer_runs_the_layout_it_is_given(tiny_model_dir, layout):
-    from services.engine.model.onednn import CpuLinear
+    from tandem.engine.kernels.onednn import CpuLinear
 
     timer = StepTimer(str(tiny_model_dir), threads=1, niceness=0, layout=layout, blocks=64)
     model = timer.engine.runner.model
@@ -71,7 +71,7 @@ def test_a_step_timer_runs_the_layout_it_is_given(tiny_model_dir, layout):
 
 
 def test_the_grids_blocks_cover_their_largest_step():
-    from services.bench.step_timer import grid_blocks
+    from tandem.planner.step_timer import grid_blocks
 
     # 8 sequences of 1,024 prompt tokens, each growing by 4 + 3 + 0 + 2 tokens: 8 x 65 blocks of 16
     # 8 prompts of 1,024 tokens, chunked over 6 steps, each sequence growing by 6 + 1 + 3 + 0 + 2 tokens
@@ -89,8 +89,8 @@ def test_the_grids_blocks_cover_their_largest_step():
 
 @pytest.mark.timeout(120)
 def test_a_step_timer_holds_its_grid_whatever_the_served_cache(tiny_model_dir):
-    from services.bench.step_timer import grid_blocks
-    from services.engine.kv_cache.paged_cache import PagedKVCache
+    from tandem.planner.step_timer import grid_blocks
+    from tandem.engine.kv_cache.paged_cache import PagedKVCache
 
     setups, mixed = [(8, 96), (2, 300)], [(8, 96, (64, 200))]
     blocks = grid_blocks([], [], setups, mixed, repeats=2, block_size=16, budget=2048)
@@ -116,7 +116,7 @@ def test_a_step_timer_refuses_a_grid_its_cache_cannot_hold(tiny_model_dir):
 
 @pytest.mark.timeout(120)
 def test_a_decode_setup_beyond_one_steps_token_budget_is_timed_whole(tiny_model_dir):
-    from services.bench.step_timer import grid_blocks
+    from tandem.planner.step_timer import grid_blocks
 
     # 16 prompts of 1,024 tokens take 10 steps of 2,048 tokens: the first ones decode meanwhile
     # (with 4 spare tokens each they used to finish first, and the setup waited forever)

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from services.cluster.ray_start import SINGLE_NODE_ENV, RayRuntime, loopback_env, loopback_interface
+from tandem.cluster.ray_start import SINGLE_NODE_ENV, RayRuntime, loopback_env, loopback_interface
 
 
 def test_loopback_env_names_the_loopback_interface():
@@ -46,6 +46,6 @@ def test_a_started_ray_has_a_loopback_node_address_and_the_environment_is_restor
     ("[::1]:6379", True), ("ray://127.0.0.1:10001", True),
     ("10.0.0.5:6379", False), ("ray-head.serving.svc:6379", False), ("[fd00::5]:6379", False)])
 def test_a_loopback_ray_address_is_recognised(address, loopback):
-    from services.cluster.ray_start import is_loopback_address
+    from tandem.cluster.ray_start import is_loopback_address
 
     assert is_loopback_address(address) is loopback

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from services.common.sampling_params import SamplingParams
-from services.engine import LLM
+from tandem.common.sampling_params import SamplingParams
+from tandem.engine import LLM
 from tests.real_model import MAX_NEW, QUESTIONS
 from tests.real_model import messages as _messages
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.config import (CacheConfig, ClusterConfig, ClusterMode, EngineConfig,
+from tandem.common.config import (CacheConfig, ClusterConfig, ClusterMode, EngineConfig,
                                     SchedulerConfig)
 from tests.real_model import EOS, LONG_QUESTIONS, MAX_NEW, QUESTIONS, messages
 
@@ -17,12 +17,12 @@ PREFILL_CHUNK = 256  # the per-step token budget: each long prompt is prefilled 
 
 @pytest.fixture(scope="module", params=list(ClusterMode))
 def served(request, ray_session, real_model_dir, real_model_reference):
-    from services.cluster.backend import ClusterBackend
-    from services.cluster.cluster import Cluster
-    from services.engine.model.config import ModelConfig
-    from services.gateway.app import create_app
-    from services.gateway.server import ServerThread
-    from services.text.tokenizer import Tokenizer
+    from tandem.cluster.backend import ClusterBackend
+    from tandem.cluster.cluster import Cluster
+    from tandem.engine.model.config import ModelConfig
+    from tandem.gateway.app import create_app
+    from tandem.gateway.server import ServerThread
+    from tandem.text.tokenizer import Tokenizer
 
     mode = request.param
     engine = EngineConfig(model=str(real_model_dir), dtype="float32", cache=CacheConfig(num_blocks=128),
@@ -64,9 +64,9 @@ SAMPLED = dict(temperature=0.8, top_p=0.95)
 @pytest.fixture(scope="module")
 def sampled_reference(real_model_dir, real_model_reference):
     """The offline engine's seeded samples of each chat prompt (seed 11 + i)."""
-    from services.engine import LLM, SamplingParams
-    from services.engine.model.config import ModelConfig
-    from services.engine.sampling_masks import CANDIDATES
+    from tandem.engine import LLM, SamplingParams
+    from tandem.engine.model.config import ModelConfig
+    from tandem.engine.sampling_masks import CANDIDATES
 
     # a vocabulary beyond the candidates: top-p is decided among them, as in production
     assert ModelConfig.from_dir(real_model_dir).vocab_size > CANDIDATES
@@ -96,7 +96,7 @@ def long_reference(real_model_dir, real_model_reference):
     """The long prompts' expected outputs: transformers' greedy ones, which the offline engine
     prefilling in PREFILL_CHUNK-token chunks (as the cluster does) must match too, and the
     offline engine's seeded top-p output of the second prompt."""
-    from services.engine import LLM, SamplingParams
+    from tandem.engine import LLM, SamplingParams
 
     prompts, greedy = real_model_reference["long_prompts"], real_model_reference["long_outputs"]
     assert all(len(p) > 3 * PREFILL_CHUNK for p in prompts)

@@ -17,12 +17,13 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from services.common.sampling_params import SamplingParams
-from services.engine.llm import LLM
-from services.engine.model import amx_linear, bf16_avx512_linear, cpu_features, cpu_kernels, loader, packed_linear
-from services.engine.model.cpu_kernels import GEMV_MAX_ROWS
-from services.engine.model.onednn import AMX, BF16_AVX512, CpuLinear
-from services.engine.model.quantized import Int8Linear
+from tandem.common.sampling_params import SamplingParams
+from tandem.engine.llm import LLM
+from tandem.engine.kernels import (amx_linear, bf16_avx512_linear, cpu_features, cpu_kernels, packed_linear)
+from tandem.engine.model import loader
+from tandem.engine.kernels.cpu_kernels import GEMV_MAX_ROWS
+from tandem.engine.kernels.onednn import AMX, BF16_AVX512, CpuLinear
+from tandem.engine.kernels.quantized import Int8Linear
 from tests.cpu_class import AMX_FLAGS, hidden_cpu_flags
 from tests.hf_models import write_hf_checkpoint
 
@@ -131,7 +132,7 @@ def test_bf16_weights_and_kv_stay_close_to_fp32(checkpoint, fp32_llm, bf16_layou
 
 @pytest.fixture(scope="module")
 def head_32_checkpoint(tmp_path_factory) -> Path:
-    from services.engine.default_model import write_model
+    from tandem.engine.default_model import write_model
 
     return write_model("small", tmp_path_factory.mktemp("small") / "model")  # 8 heads of 32
 
@@ -293,7 +294,7 @@ def test_a_row_computes_alike_alone_and_in_a_batch(dtype, tol):
 
 
 def test_a_bf16_head_keeps_the_layers_layout_without_native_bf16_kernels(monkeypatch):
-    from services.engine.model import onednn
+    from tandem.engine.kernels import onednn
 
     monkeypatch.setattr(amx_linear, "load", lambda: None)
     monkeypatch.setattr(bf16_avx512_linear, "load", lambda: None)

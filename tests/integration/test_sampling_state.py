@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.config import CacheConfig, EngineConfig, EngineRole, SchedulerConfig
-from services.common.sampling_params import FinishReason, SamplingParams
-from services.engine.engine import LLMEngine
+from tandem.common.config import CacheConfig, EngineConfig, EngineRole, SchedulerConfig
+from tandem.common.sampling_params import FinishReason, SamplingParams
+from tandem.engine.engine import LLMEngine
 
 BS = 4
 PROMPT = [7, 19, 3, 88, 41, 5, 5, 60, 2, 13, 77]

@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.common.sampling_params import SamplingParams
-from services.engine import LLM
+from tandem.common.sampling_params import SamplingParams
+from tandem.engine import LLM
 from tests.integration.test_cluster import _config, wait_all_free
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,12 +26,12 @@ PROMPTS = ["The quick brown fox", "def fibonacci(n):", "Once upon a time, in a l
 
 @pytest.fixture(scope="module")
 def served(ray_session, checkpoint):
-    from services.cluster.backend import ClusterBackend
-    from services.cluster.cluster import Cluster
-    from services.engine.model.config import ModelConfig
-    from services.gateway.app import create_app
-    from services.gateway.server import ServerThread
-    from services.text.tokenizer import Tokenizer
+    from tandem.cluster.backend import ClusterBackend
+    from tandem.cluster.cluster import Cluster
+    from tandem.engine.model.config import ModelConfig
+    from tandem.gateway.app import create_app
+    from tandem.gateway.server import ServerThread
+    from tandem.text.tokenizer import Tokenizer
 
     cluster = Cluster(_config(checkpoint, prefill_workers=1, decode_workers=1)).start()
     mc = ModelConfig.from_dir(checkpoint)
@@ -191,7 +191,7 @@ def test_live_metrics_pass_promtool(served):
 
 @pytest.mark.skipif(shutil.which("prometheus") is None, reason="prometheus not installed")
 def test_real_prometheus_scrapes_the_ttft_histogram(served, tmp_path):
-    from services.gateway.server import find_free_port
+    from tandem.gateway.server import find_free_port
 
     server, _ = served
     config = (ROOT / "deploy/prometheus/prometheus.yml").read_text()

@@ -12,9 +12,9 @@ import re
 import httpx
 import pytest
 
-from services.common.config import CacheConfig, ClusterConfig, EngineConfig, SpeculativeConfig
-from services.common.sampling_params import SamplingParams
-from services.engine import LLM
+from tandem.common.config import CacheConfig, ClusterConfig, EngineConfig, SpeculativeConfig
+from tandem.common.sampling_params import SamplingParams
+from tandem.engine import LLM
 from tests.hf_models import VOCAB
 from tests.integration.test_cluster import run_all, wait_all_free
 
@@ -35,12 +35,12 @@ def _spec_samples(families, name: str) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def served(ray_session, checkpoint):
-    from services.cluster.backend import ClusterBackend
-    from services.cluster.cluster import Cluster
-    from services.engine.model.config import ModelConfig
-    from services.gateway.app import create_app
-    from services.gateway.server import ServerThread
-    from services.text.tokenizer import Tokenizer
+    from tandem.cluster.backend import ClusterBackend
+    from tandem.cluster.cluster import Cluster
+    from tandem.engine.model.config import ModelConfig
+    from tandem.gateway.app import create_app
+    from tandem.gateway.server import ServerThread
+    from tandem.text.tokenizer import Tokenizer
 
     # 1-grams and a fixed k: a random model's output matches its prompt often enough
     # that the decode worker verifies drafts on most steps, accepted or not.
@@ -102,7 +102,7 @@ def test_openai_sdk_streams_the_offline_text(served, checkpoint):
 def test_draft_model_in_the_decode_pool(ray_session, checkpoint):
     """The decode worker prefills the imported prompt into its draft cache itself; the
     target drafting for itself is always right, and the output is the offline one."""
-    from services.cluster.cluster import Cluster
+    from tandem.cluster.cluster import Cluster
 
     prompts = _prompts()
     reference = [o.outputs[0].token_ids for o in LLM(checkpoint).generate(prompts, PARAMS[0])]
@@ -138,7 +138,7 @@ def other_draft(tmp_path_factory, tiny_model_dir) -> str:
 ], ids=["colocated", "conditional"])
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_the_other_modes_match_the_offline_engine(ray_session, checkpoint, other_draft, mode, method):
-    from services.cluster.cluster import Cluster
+    from tandem.cluster.cluster import Cluster
 
     prompts = _prompts()
     llm = LLM(checkpoint)

@@ -11,10 +11,10 @@ import random
 
 import pytest
 
-from services.common.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
-from services.common.sampling_params import SamplingParams
-from services.engine import LLM
-from services.engine.engine import LLMEngine
+from tandem.common.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from tandem.common.sampling_params import SamplingParams
+from tandem.engine import LLM
+from tandem.engine.engine import LLMEngine
 from tests.hf_models import VOCAB, write_hf_checkpoint
 
 K = 4

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.config import CacheConfig, ClusterConfig, EngineConfig, SpeculativeConfig
-from services.common.sampling_params import SamplingParams
-from services.engine import LLM
-from services.engine.spec.truncated_draft import write_truncated_draft
+from tandem.common.config import CacheConfig, ClusterConfig, EngineConfig, SpeculativeConfig
+from tandem.common.sampling_params import SamplingParams
+from tandem.engine import LLM
+from tandem.engine.spec.truncated_draft import write_truncated_draft
 from tests.real_model import MAX_NEW, QUESTIONS, messages
 
 pytestmark = pytest.mark.real_model
@@ -56,12 +56,12 @@ def test_the_cluster_matches_transformers(ray_session, real_model_dir, draft_dir
     Either way, the text transformers generates."""
     import openai
 
-    from services.cluster.backend import ClusterBackend
-    from services.cluster.cluster import Cluster
-    from services.engine.model.config import ModelConfig
-    from services.gateway.app import create_app
-    from services.gateway.server import ServerThread
-    from services.text.tokenizer import Tokenizer
+    from tandem.cluster.backend import ClusterBackend
+    from tandem.cluster.cluster import Cluster
+    from tandem.engine.model.config import ModelConfig
+    from tandem.gateway.app import create_app
+    from tandem.gateway.server import ServerThread
+    from tandem.text.tokenizer import Tokenizer
 
     common = dict(adaptive=False, num_speculative_tokens=3, max_batch_size=64)
     spec = SpeculativeConfig(method="draft", draft_model=str(draft_dir), draft_prefill_chunk=16,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from services.cluster.api_keys import check_exposure, collect_keys, is_loopback, read_key_file
+from tandem.cluster.api_keys import check_exposure, collect_keys, is_loopback, read_key_file
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = "sk-Very-Secret-0123456789"
@@ -83,7 +83,7 @@ def test_serving_beyond_loopback_needs_a_key_or_an_explicit_opt_out():
 def _serve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_API_KEY")}
     environ |= {"PYTHONPATH": str(ROOT)} | (env or {})
-    return subprocess.run([sys.executable, "-m", "services.cluster.cli", "serve", "--port", "1", *args],
+    return subprocess.run([sys.executable, "-m", "tandem.cli.main", "serve", "--port", "1", *args],
                           cwd=ROOT, env=environ, capture_output=True, text=True, timeout=300)
 
 

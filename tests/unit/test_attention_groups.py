@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.attention_groups import build_group, same_shape
-from services.engine.model.attention import AttentionMetadata
+from tandem.engine.attention_groups import build_group, same_shape
+from tandem.engine.model.attention import AttentionMetadata
 
 BS = 4
 CPU = torch.device("cpu")

@@ -9,11 +9,11 @@ import json
 import httpx
 import pytest
 
-from services.bench.client import completion_body, sse_data, stream_completion
-from services.bench.compare import print_table, ratios
-from services.bench.metrics_math import goodput
-from services.bench.loadgen import run_requests
-from services.bench.workload import BenchRequest
+from tandem.bench.client import completion_body, sse_data, stream_completion
+from tandem.bench.compare import print_table, ratios
+from tandem.bench.metrics_math import goodput
+from tandem.bench.loadgen import run_requests
+from tandem.bench.workload import BenchRequest
 
 
 def _sse(events: list[dict | str]) -> bytes:
@@ -189,7 +189,7 @@ def test_bench_serve_says_what_is_wrong_with_the_server_it_was_given(capsys, sta
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from services.cluster.cli import main
+    from tandem.cli.main import main
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
@@ -217,8 +217,8 @@ def test_bench_serve_says_what_is_wrong_with_the_server_it_was_given(capsys, sta
 
 
 def test_bench_compare_checks_the_other_server_before_starting_its_own(capsys, tmp_path, monkeypatch):
-    from services.bench import compare
-    from services.cluster.cli import main
+    from tandem.bench import compare
+    from tandem.cli.main import main
 
     def must_not_start(*args, **kwargs):
         raise AssertionError("a tandem server was started before --other-url was checked")

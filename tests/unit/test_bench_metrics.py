@@ -8,11 +8,11 @@ import math
 import numpy as np
 import pytest
 
-from services.bench.arrivals import arrival_offsets, parse_rates
-from services.bench.client import StreamResult
-from services.bench.loadgen import make_record
-from services.bench.metrics_math import SLO, attainment, goodput, goodput_text, latencies, meets, percentile, summarize
-from services.bench.workload import BenchRequest
+from tandem.bench.arrivals import arrival_offsets, parse_rates
+from tandem.bench.client import StreamResult
+from tandem.bench.loadgen import make_record
+from tandem.bench.metrics_math import SLO, attainment, goodput, goodput_text, latencies, meets, percentile, summarize
+from tandem.bench.workload import BenchRequest
 
 # ---------------------------------------------------------------- per request
 
@@ -164,7 +164,7 @@ def test_goodput_says_which_side_of_the_sweep_it_fell():
 
 
 def test_bench_serve_says_its_goodput_is_below_the_sweep(capsys):
-    from services.bench.serve import print_summary
+    from tandem.bench.serve import print_summary
 
     result = {"label": "vllm", "slo": {"ttft_ms": 2500.0, "tpot_ms": 60.0, "attainment": 0.9},
               "config": {"workload_name": "interference", "arrival": "poisson", "requests_per_rate": 40},
@@ -229,7 +229,7 @@ def test_requests_cut_before_sending_are_not_sent_not_errors():
 
     import httpx
 
-    from services.bench.loadgen import run_requests
+    from tandem.bench.loadgen import run_requests
 
     def handler(request: httpx.Request) -> httpx.Response:
         usage = {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5}}

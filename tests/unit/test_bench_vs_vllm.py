@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from services.bench.side_by_side import Series, cpu_list
-from services.cluster.cli import main
+from tandem.bench.side_by_side import Series, cpu_list
+from tandem.cli.main import main
 
 
 @pytest.fixture(autouse=True)
@@ -71,8 +71,8 @@ def test_each_call_waits_for_the_other_side_to_go_idle(tmp_path, tiny_model_dir,
     slow the next measurement of the other side: the driver waits for it to go idle.
     (How long the waits take is this machine's; ``wait_until_idle`` itself is tested in
     tests/unit/test_plan.py.)"""
-    from services.bench import side_by_side
-    from services.bench.side_protocol import Side
+    from tandem.bench import side_by_side
+    from tandem.bench.side_protocol import Side
 
     events: list[tuple] = []  # ("wait", pid, seconds) and ("call", side, pid, op), in order
 

@@ -9,8 +9,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from services.bench import dataset
-from services.bench.workload import (PRESETS, LengthDist, RequestClass, get_preset, ordinary_token_ids,
+from tandem.bench import dataset
+from tandem.bench.workload import (PRESETS, LengthDist, RequestClass, get_preset, ordinary_token_ids,
                                      synthetic)
 
 
@@ -74,7 +74,7 @@ def test_synthetic_prompts_of_another_run_are_fresh():
 def _bench_plan(*argv: str):
     import argparse
 
-    from services.bench import serve as serve_bench
+    from tandem.bench import serve as serve_bench
 
     parser = argparse.ArgumentParser()
     serve_bench.add_arguments(parser)
@@ -114,7 +114,7 @@ def test_synthetic_errors():
 
 
 def test_ordinary_token_ids_skip_special_tokens(tiny_model_dir):
-    from services.text.tokenizer import Tokenizer
+    from tandem.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(tiny_model_dir)
     ids = ordinary_token_ids(tok)
@@ -135,7 +135,7 @@ def test_presets_are_defined_and_checked():
 
 
 def test_dataset_sharegpt_json_with_a_tokenizer(tmp_path, tiny_model_dir):
-    from services.text.tokenizer import Tokenizer
+    from tandem.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(tiny_model_dir)
     data = [{"conversations": [{"from": "human", "value": "Hello there, how are you?"},

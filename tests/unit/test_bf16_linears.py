@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.model import amx_linear, bf16_avx512_linear, cpu_features, cpu_kernels, onednn
-from services.engine.model.config import ModelConfig
-from services.engine.model.llama import LlamaModel
-from services.engine.model.onednn import AMX, BF16_AVX512, CpuLinear
+from tandem.engine.kernels import amx_linear, bf16_avx512_linear, cpu_features, cpu_kernels, onednn
+from tandem.engine.model.config import ModelConfig
+from tandem.engine.model.llama import LlamaModel
+from tandem.engine.kernels.onednn import AMX, BF16_AVX512, CpuLinear
 
 AMX_KERNELS, AVX512_KERNELS = amx_linear.load(), bf16_avx512_linear.load()
 no_amx = pytest.mark.skipif(AMX_KERNELS is None, reason="no AMX-BF16 on this machine")

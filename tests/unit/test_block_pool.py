@@ -6,11 +6,11 @@ import random
 
 import pytest
 
-from services.common.sampling_params import SamplingParams
-from services.common.block_hash import hash_block
-from services.engine.kv_cache.block_pool import BlockPool, NoFreeBlocksError
-from services.engine.kv_cache.kv_manager import KVCacheManager
-from services.engine.sequence import Sequence
+from tandem.common.sampling_params import SamplingParams
+from tandem.common.block_hash import hash_block
+from tandem.engine.kv_cache.block_pool import BlockPool, NoFreeBlocksError
+from tandem.engine.kv_cache.kv_manager import KVCacheManager
+from tandem.engine.sequence import Sequence
 
 
 def test_allocate_and_free_round_trip():

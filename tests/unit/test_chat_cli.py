@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 from collections.abc import Iterator
 
-from services.cluster.chat import LocalChat, converse
+from tandem.cli.chat import LocalChat, converse
 
 
 class ScriptedBackend:

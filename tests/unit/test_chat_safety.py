@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.text.tokenizer import Tokenizer
+from tandem.text.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

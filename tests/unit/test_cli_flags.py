@@ -7,12 +7,12 @@ import dataclasses
 
 import pytest
 
-from services.cluster.cli import build_parser, main
-from services.cluster.serve import build_config
-from services.common.config import (
+from tandem.cli.main import build_parser, main
+from tandem.cli.serve import build_config
+from tandem.common.config import (
     CacheConfig, ClusterConfig, ClusterMode, EngineConfig, SchedulerConfig, TransferBackend)
-from services.common.config_fields import build_from_keywords, settings
-from services.router.config import RouterConfig
+from tandem.common.config_fields import build_from_keywords, settings
+from tandem.router.config import RouterConfig
 
 
 def _serve(*argv: str):
@@ -79,7 +79,7 @@ def test_version(capsys):
 
 
 def test_generate_flags_build_the_engine_config():
-    from services.cluster.flags import config_from_args
+    from tandem.common.flags import config_from_args
 
     args = build_parser().parse_args(["generate", "m", "--max-num-batched-tokens", "64", "--threads", "2",
                                       "--seed", "5"])

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.cluster import control
+from tandem.cluster import control
 
 
 class FakeKV:
@@ -112,7 +112,7 @@ def test_a_request_nobody_answers_times_out_and_is_withdrawn(kv):
     (["scale", "--decode", "2", "--drain-timeout", "-5"], "--timeout and --drain-timeout must be >= 0"),
 ])
 def test_bad_drain_and_scale_commands_are_refused_before_joining_ray(argv, message, capsys):
-    from services.cluster.cli import main
+    from tandem.cli.main import main
 
     assert main(argv) == 2
     assert message in capsys.readouterr().err

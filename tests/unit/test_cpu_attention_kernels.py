@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.engine.model import cpu_kernels
+from tandem.engine.kernels import cpu_kernels
 from tests.attention_reference import reference_prefill
 
 kernels = cpu_kernels.load()
@@ -79,7 +79,7 @@ def test_gemv_refuses_what_it_cannot_compute():
 
 
 def test_bench_attention_reports_the_read_rate(capsys):
-    from services.cluster.cli import main
+    from tandem.cli.main import main
 
     assert main(["bench", "attention", "--rows", "3", "--context", "40", "--heads", "4", "--kv-heads", "2",
                  "--head-dim", "64", "--layers", "2", "--repeats", "2", "--threads", "1"]) == 0

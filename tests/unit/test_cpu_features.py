@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine.model import cpu_features
+from tandem.engine.kernels import cpu_features
 
 
 @pytest.fixture

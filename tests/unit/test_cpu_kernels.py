@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.engine.model import cpu_features, cpu_kernels
-from services.engine.model.rope import RotaryEmbedding
+from tandem.engine.kernels import cpu_features, cpu_kernels
+from tandem.engine.model.rope import RotaryEmbedding
 
 kernels = cpu_kernels.load()
 # CI sets REQUIRE_CPU_KERNELS=1: there a failed build fails here instead of skipping (the
@@ -198,8 +198,8 @@ def test_silu_mul_refuses_what_it_cannot_compute():
 def test_a_bf16_mlp_keeps_its_interior_bf16_with_the_same_result():
     """gate|up's bf16 product into SiLU·mul and on to down unwidened: bit-identical to
     widening it, the fp32 kernel, and down rounding its input (rows past the GEMV)."""
-    from services.engine.model import onednn
-    from services.engine.model.layer_ops import NativeLayerOps, TorchLayerOps
+    from tandem.engine.kernels import onednn
+    from tandem.engine.model.layer_ops import NativeLayerOps, TorchLayerOps
 
     if not onednn.available(torch.device("cpu")):
         pytest.skip("no oneDNN linear in this torch")
@@ -264,7 +264,7 @@ def test_a_failed_build_falls_back_to_none(monkeypatch, tmp_path, caplog):
 def test_every_kernel_source_is_built_and_keys_the_cache():
     """A source left out of SOURCES is never compiled; a header left out of HEADERS does not
     key the cached library, so editing it would keep loading the old build."""
-    from services.engine.model import kernel_build
+    from tandem.engine.kernels import kernel_build
 
     listed = set(kernel_build.SOURCES) | set(kernel_build.HEADERS)
     present = {p.name for p in kernel_build.CSRC.iterdir() if p.suffix in (".c", ".h")}

@@ -14,8 +14,8 @@ import shutil
 import pytest
 import torch
 
-from services.engine.model import cpu_kernels, kernel_build
-from services.engine.model.attention import AttentionGroup, AttentionMetadata, TorchPagedAttention
+from tandem.engine.kernels import cpu_kernels, kernel_build
+from tandem.engine.model.attention import AttentionGroup, AttentionMetadata, TorchPagedAttention
 from tests.attention_reference import reference_prefill
 
 kernels = cpu_kernels.load()
@@ -272,7 +272,7 @@ def _counting(fn, calls):
 @needs_kernel
 @pytest.mark.parametrize("context,start", [(40, 0), (70, 30)])
 def test_bench_attention_times_prompts_against_sdpa(capsys, context, start):
-    from services.cluster.cli import main
+    from tandem.cli.main import main
 
     assert main(["bench", "attention", "--prompt", "40", "--context", str(context), "--rows", "2",
                  "--layers", "2", "--repeats", "2", "--threads", "1"]) == 0

@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from services.cluster import cpu_sizing
-from services.common.config import ClusterConfig, EngineConfig
+from tandem.cluster import cpu_sizing
+from tandem.common.config import ClusterConfig, EngineConfig
 
 
 def _sized(cores: int, **kw) -> tuple[int, int]:
@@ -52,7 +52,7 @@ def test_set_counts_are_kept():
 
 def test_a_joined_cpu_cluster_leaves_the_count_to_each_worker_and_does_not_burst():
     joined = dict(ray_address="10.0.0.1:6379")
-    assert _sized(16, **joined) == (None, 0)  # services.worker.threads.node_threads decides
+    assert _sized(16, **joined) == (None, 0)  # tandem.worker.threads.node_threads decides
     assert _sized(16, decode_burst_threads=8, **joined) == (None, 8)
     assert _sized(16, threads_per_worker=4, decode_burst_threads=8, **joined) == (4, 8)
     assert _prefill_burst(16, **joined) == 0  # the board it would read is this host's

@@ -3,7 +3,7 @@
 - every dashboard validates against tests/schemas/grafana-dashboard.schema.json (nulls
   stripped, each panel checked as `Panel` or `RowPanel` by its type, rows' panels included);
 - every PromQL expression (dashboard targets and variable queries, rule `expr`s) names only
-  metrics that services/common/metrics.py exports (rules may also name the series they record
+  metrics that services/tandem/common/metrics.py exports (rules may also name the series they record
   and Prometheus's own `up`);
 - every expression parses as PromQL: with Prometheus's own parser (`promtool check rules` on a
   generated rules file; Debian package `prometheus`) and with `promql-parser` (PyPI) where
@@ -27,7 +27,7 @@ import yaml
 from jsonschema import Draft7Validator
 from prometheus_client import CollectorRegistry
 
-from services.common.metrics import exported_names, gateway_metrics, worker_metrics
+from tandem.common.metrics import exported_names, gateway_metrics, worker_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 GRAFANA = ROOT / "deploy" / "grafana"

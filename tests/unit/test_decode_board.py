@@ -12,9 +12,9 @@ import types
 
 import pytest
 
-from services.prefill.worker import PrefillWorker
-from services.worker.decode_board import SLOTS, DecodeBoard
-from services.worker.threads import ElasticThreads
+from tandem.prefill.worker import PrefillWorker
+from tandem.worker.decode_board import SLOTS, DecodeBoard
+from tandem.worker.threads import ElasticThreads
 
 
 @pytest.fixture
@@ -31,7 +31,7 @@ def test_slots_add_up_across_processes(board):
         other.publish(0, 3)
         board.publish(5, 2)
         assert board.total() == other.total() == 5
-        code = ("import sys; from services.worker.decode_board import DecodeBoard; "
+        code = ("import sys; from tandem.worker.decode_board import DecodeBoard; "
                 "DecodeBoard(sys.argv[1]).publish(7, 4)")
         subprocess.run([sys.executable, "-c", code, board.path], check=True,
                        env={**os.environ, "PYTHONPATH": os.getcwd()})

@@ -14,15 +14,15 @@ from contextlib import aclosing
 import pytest
 import torch
 
-from services.common.config import CacheConfig, EngineConfig
-from services.common.sampling_params import SamplingParams
-from services.engine.kv_cache.paged_cache import PagedKVCache
-from services.protocol.request_path import DecodeRequest
-from services.transfer.channel import ChannelBase
-from services.transfer.endpoint import make_receiver
-from services.transfer.sender import KVSender, SendJob
-from services.transfer.streams import CpuSync
-from services.decode.worker import TransferFailedError
+from tandem.common.config import CacheConfig, EngineConfig
+from tandem.common.sampling_params import SamplingParams
+from tandem.engine.kv_cache.paged_cache import PagedKVCache
+from tandem.protocol.request_path import DecodeRequest
+from tandem.transfer.channel import ChannelBase
+from tandem.transfer.endpoint import make_receiver
+from tandem.transfer.sender import KVSender, SendJob
+from tandem.transfer.device_sync import CpuSync
+from tandem.decode.worker import TransferFailedError
 from tests.decode_stream import decode_stream
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -54,7 +54,7 @@ class Channel(ChannelBase):
 
 @pytest.fixture(scope="module")
 def worker(tiny_model_dir):
-    from services.decode.worker import DecodeWorker
+    from tandem.decode.worker import DecodeWorker
 
     w = DecodeWorker("decode-0", EngineConfig(model=str(tiny_model_dir),
                                               cache=CacheConfig(num_blocks=32)),
@@ -142,7 +142,7 @@ def test_ending_a_request_mid_write_frees_its_blocks_only_after_the_write(worker
         await asyncio.sleep(0.05)
         assert not seen, "blocks freed while a write into them was in flight"
         channel.gate.set()
-        from services.decode.worker import TransferFailedError
+        from tandem.decode.worker import TransferFailedError
 
         with contextlib.suppress(asyncio.CancelledError):
             await ender
@@ -162,7 +162,7 @@ def test_a_transfer_that_times_out_releases_and_a_redrive_of_the_same_id_works(w
     worker.transfer_timeout_s = 0.2
 
     async def main():
-        from services.decode.worker import TransferFailedError
+        from tandem.decode.worker import TransferFailedError
 
         desc = await worker.reserve("r3", PROMPT, PARAMS, 0, "r3#0")
         req = DecodeRequest("r3", tuple(PROMPT), PARAMS, output_token_ids=(5,), descriptor=desc)

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from services.engine import default_model as dm
-from services.text.tokenizer import Tokenizer
+from tandem.engine import default_model as dm
+from tandem.text.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -52,7 +52,7 @@ def test_write_is_byte_identical(tiny: Path, tmp_path: Path) -> None:
 
 
 def test_tokenizer_identical_in_a_fresh_process(tiny: Path) -> None:
-    code = "import sys; from services.engine.default_model import build_tokenizer; " \
+    code = "import sys; from tandem.engine.default_model import build_tokenizer; " \
            "sys.stdout.write(build_tokenizer().to_str(pretty=True) + '\\n')"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, check=True).stdout
     assert out == (tiny / "tokenizer.json").read_bytes()

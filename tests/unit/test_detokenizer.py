@@ -9,9 +9,9 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers, trainers
 
-from services.engine.default_model import corpus, write_model
-from services.text.detokenizer import IncrementalDetokenizer
-from services.text.tokenizer import Tokenizer
+from tandem.engine.default_model import corpus, write_model
+from tandem.text.detokenizer import IncrementalDetokenizer
+from tandem.text.tokenizer import Tokenizer
 
 MULTIBYTE = "héllo wörld 日本語 🎉"
 

@@ -164,7 +164,7 @@ def test_the_default_command_refuses_an_open_api_beyond_loopback(dockerfile):
     assert "--host 0.0.0.0 --port 8000" in readme and "TANDEM_API_KEY_FILE" in readme
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_API_KEY")}
     env["PYTHONPATH"] = str(ROOT)
-    proc = subprocess.run([sys.executable, "-m", "services.cluster.cli", *cmd], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "tandem.cli.main", *cmd], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert "refusing to serve on 0.0.0.0 without an API key" in proc.stderr
@@ -222,8 +222,8 @@ def _ignored(patterns: list[str], path: str) -> bool:
 def test_dockerignore_keeps_the_context_to_the_package():
     lines = (ROOT / ".dockerignore").read_text().splitlines()
     patterns = [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
-    for keep in ("pyproject.toml", "README.md", "services/__init__.py", "services/cluster/serve.py"):
+    for keep in ("pyproject.toml", "README.md", "services/tandem/__init__.py", "services/tandem/cli/serve.py"):
         assert not _ignored(patterns, keep), keep
     for drop in (".venv/bin/python", ".git/HEAD", "tests/conftest.py", "helm/tandem/Chart.yaml",
-                 "services/engine/__pycache__/x.cpython-311.pyc", "model.safetensors", "deploy/compose.yaml"):
+                 "services/tandem/engine/__pycache__/x.cpython-311.pyc", "model.safetensors", "deploy/compose.yaml"):
         assert _ignored(patterns, drop), drop

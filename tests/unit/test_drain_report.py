@@ -8,7 +8,7 @@ import threading
 import time
 import types
 
-from services.cluster import drain
+from tandem.cluster import drain
 
 
 def _worker(active: set[str]):

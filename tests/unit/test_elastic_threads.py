@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from services.worker.threads import ElasticThreads
+from tandem.worker.threads import ElasticThreads
 
 
 def _on_own_thread(fn):
@@ -54,7 +54,7 @@ def test_bad_counts(base, burst):
 
 
 def test_cluster_config_rejects_negative_burst():
-    from services.common.config import ClusterConfig
+    from tandem.common.config import ClusterConfig
 
     with pytest.raises(ValueError, match="decode_burst_threads"):
         ClusterConfig(decode_burst_threads=-1)

@@ -8,8 +8,8 @@ from concurrent.futures import Future
 
 import pytest
 
-from services.engine.engine import EngineOutput
-from services.engine.engine_loop import EngineLoop, EngineLoopStopped
+from tandem.engine.engine import EngineOutput
+from tandem.engine.engine_loop import EngineLoop, EngineLoopStopped
 
 
 class _Seq:

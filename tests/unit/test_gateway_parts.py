@@ -9,18 +9,18 @@ import math
 import pytest
 from fastapi.testclient import TestClient
 
-from services.common.sampling_params import FinishReason, SamplingParams
-from services.gateway import create_app
-from services.gateway.errors import APIError, from_backend_error, retry_after
-from services.gateway.fake_backend import FakeBackend
-from services.gateway.generation import ChoiceJob, ClientDisconnected, Generation
-from services.gateway.logprobs import LOGPROB_FLOOR, TokenStrings, clamp
-from services.gateway.middleware import ApiKeyMiddleware
-from services.gateway.sampling import max_tokens_for
-from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
-from services.protocol.request_path import TokenDelta
-from services.router.errors import ClusterFullError, NoWorkersError, PromptTooLargeError
-from services.text.tokenizer import Tokenizer
+from tandem.common.sampling_params import FinishReason, SamplingParams
+from tandem.gateway import create_app
+from tandem.gateway.errors import APIError, from_backend_error, retry_after
+from tests.fake_backend import FakeBackend
+from tandem.gateway.generation import ChoiceJob, ClientDisconnected, Generation
+from tandem.gateway.logprobs import LOGPROB_FLOOR, TokenStrings, clamp
+from tandem.gateway.middleware import ApiKeyMiddleware
+from tandem.gateway.sampling import max_tokens_for
+from tandem.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from tandem.protocol.request_path import TokenDelta
+from tandem.router.errors import ClusterFullError, NoWorkersError, PromptTooLargeError
+from tandem.text.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +209,7 @@ def test_ready_answers_503_while_draining(tok):
 
 
 def test_sse_frames_escape_what_clients_take_for_line_breaks():
-    from services.gateway.sse import frame
+    from tandem.gateway.sse import frame
 
     text = "a\u2028b\u2029c\x85d\nе\r\x1c"
     data = frame({"choices": [{"text": text}]})
@@ -249,7 +249,7 @@ def test_request_schema_and_sampling_params_agree_on_bounds(field, accepted, ref
 
 
 def test_seeds_are_json_integers_at_the_gateway_and_63_bit_in_sampling_params():
-    from services.gateway.schemas import MAX_JSON_SEED
+    from tandem.gateway.schemas import MAX_JSON_SEED
 
     assert MAX_JSON_SEED == 2**53 - 1
     CompletionRequest.model_validate({"model": "m", "prompt": "x", "seed": MAX_JSON_SEED})
@@ -266,7 +266,7 @@ def test_the_token_id_key_pattern_matches_exactly_the_ids_below_the_vocabulary(n
     import random
     import re
 
-    from services.gateway.openapi import integer_below_pattern
+    from tandem.gateway.openapi import integer_below_pattern
 
     pattern = re.compile(integer_below_pattern(n))
     rng = random.Random(n)

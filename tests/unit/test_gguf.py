@@ -12,7 +12,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from services.engine.model.gguf_loader import (  # noqa: E402
+from tandem.engine.model.gguf_loader import (  # noqa: E402
     SUPPORTED_TYPES, dequantize_tensor, hf_config, hf_tensor_name, llama3_rope_scaling, unpermute_qk)
 
 ROWS, COLS = 3, 512  # two K-quant super-blocks per row

@@ -14,8 +14,8 @@ gguf = pytest.importorskip("gguf")
 
 from safetensors.torch import load_file  # noqa: E402
 
-from services.engine.model.gguf_loader import convert  # noqa: E402
-from services.text.tokenizer import Tokenizer  # noqa: E402
+from tandem.engine.model.gguf_loader import convert  # noqa: E402
+from tandem.text.tokenizer import Tokenizer  # noqa: E402
 
 _NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
           "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -118,9 +118,9 @@ def test_not_a_gguf(tmp_path):
 
 
 def test_llm_loads_a_gguf_path_like_its_source_folder(tiny_gguf, tiny_model_dir, tmp_path, monkeypatch):
-    from services.common.sampling_params import SamplingParams
-    from services.engine import LLM
-    from services.engine.model_source import resolve_model
+    from tandem.common.sampling_params import SamplingParams
+    from tandem.engine import LLM
+    from tandem.engine.model_source import resolve_model
 
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
     resolved = resolve_model(str(tiny_gguf))
@@ -137,7 +137,7 @@ def test_a_reinstalled_file_reuses_its_conversion_and_a_changed_one_converts_ane
     import os
     import shutil
 
-    from services.engine.model.gguf_loader import converted_path
+    from tandem.engine.model.gguf_loader import converted_path
 
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
     first = converted_path(tiny_gguf)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from services.engine.default_model import corpus
-from services.text.gguf_tokenizer import tokenizer_from_gguf
+from tandem.engine.default_model import corpus
+from tandem.text.gguf_tokenizer import tokenizer_from_gguf
 
 TEXTS = ["Hello world, the model 1234!", "  two leading spaces", "def f(x):\n    return x",
          "héllo wörld 🎉 日本語", "tab\tand trailing "]

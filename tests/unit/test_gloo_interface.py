@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from services.cluster.ray_start import loopback_interface
-from services.transfer.store import bind_gloo_to, interface_of
+from tandem.cluster.ray_start import loopback_interface
+from tandem.transfer.store import bind_gloo_to, interface_of
 
 
 def test_the_interface_of_a_loopback_address_is_the_loopback_interface():

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from services.bench.gpucheck import report, transfer_checks
-from services.bench.gpucheck.report import Result, Status
+from tandem.gpucheck import report, transfer_checks
+from tandem.gpucheck.report import Result, Status
 
 ROOT = Path(__file__).resolve().parents[2]
 MISSING_ON_THE_GPU_MACHINE = ("ray", "fastapi", "pydantic", "uvicorn", "gguf")
@@ -30,14 +30,14 @@ _RUN_WITHOUT = textwrap.dedent("""
                 raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
     sys.meta_path.insert(0, Missing())
     sys.argv = ["gpucheck", *{args!r}]
-    runpy.run_module("services.bench.gpucheck", run_name="__main__")
+    runpy.run_module("tandem.gpucheck", run_name="__main__")
 """)
 
 
 def _check(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     code = _RUN_WITHOUT.format(missing=set(MISSING_ON_THE_GPU_MACHINE), args=list(args))
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+                          timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT / "services"), **(env or {})})
 
 
 @pytest.mark.skipif(__import__("importlib.util").util.find_spec("triton") is None,
@@ -82,7 +82,7 @@ def test_verdicts():
 
 
 def test_transfer_rows_fail_on_an_error_or_a_corrupted_block(monkeypatch):
-    from services.transfer import pair_check
+    from tandem.transfer import pair_check
 
     ctx = types.SimpleNamespace(dry_run=False, device="cuda:0")
     broken = pair_check.PairCheckResult("ipc", 0, [], False, "rank 1: TimeoutError: no header")

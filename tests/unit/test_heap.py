@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 _SCRIPT = """
 import gc, ray
-from services.engine import heap
+from tandem.engine import heap
 frozen = heap.freeze()
 assert frozen > 1000 and gc.get_freeze_count() == frozen, frozen
 a, b = [], []

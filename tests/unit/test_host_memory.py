@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # In a fresh interpreter, so this process's allocator settings stay as they were.
 PROBE = """
 import resource, torch
-from services.engine import host_memory
+from tandem.engine import host_memory
 
 mallopt = host_memory._glibc_mallopt()
 if mallopt is None:
@@ -57,10 +57,10 @@ def test_freed_activations_are_reused_without_page_faults():
 
 ENGINE_PROBE = """
 import sys
-from services.common.config import EngineConfig
-from services.engine import host_memory
-from services.engine.engine import LLMEngine
-from services.engine.kv_cache.sizing import working_memory_bytes
+from tandem.common.config import EngineConfig
+from tandem.engine import host_memory
+from tandem.engine.engine import LLMEngine
+from tandem.engine.kv_cache.sizing import working_memory_bytes
 
 engine = LLMEngine(EngineConfig(model=sys.argv[1], device="cpu", num_threads=1))
 sc = engine.config.scheduler
@@ -70,7 +70,7 @@ print(host_memory._kept, working)
 
 
 def test_a_cpu_engine_keeps_its_working_memory_for_the_next_step(tiny_model_dir):
-    from services.engine import host_memory
+    from tandem.engine import host_memory
 
     if host_memory._glibc_mallopt() is None:
         pytest.skip("glibc's malloc")

@@ -8,10 +8,10 @@ import gc
 import pytest
 import torch
 
-from services.engine import huge_pages
-from services.engine.kv_cache.paged_cache import PagedKVCache
-from services.engine.model import packed_linear
-from services.engine.model.onednn import CpuLinear
+from tandem.engine import huge_pages
+from tandem.engine.kv_cache.paged_cache import PagedKVCache
+from tandem.engine.kernels import packed_linear
+from tandem.engine.kernels.onednn import CpuLinear
 
 needs_thp = pytest.mark.skipif(not huge_pages.available(),
                                reason="no transparent huge pages on this host")

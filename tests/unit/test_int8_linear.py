@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.engine.model import quantized
-from services.engine.model.quantized import Int8Linear
+from tandem.engine.kernels import quantized
+from tandem.engine.kernels.quantized import Int8Linear
 from tests.native_build import build_for
 
 kernels = quantized.load()

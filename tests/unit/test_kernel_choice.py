@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.model import cpu_features, cpu_kernels, kernel_choice
-from services.engine.model.kernel_choice import AMX, BF16_AVX512, CLASSES, KernelChoice
-from services.engine.model.loader import DTYPES, load_model
+from tandem.engine.kernels import cpu_features, cpu_kernels, kernel_choice
+from tandem.engine.kernels.kernel_choice import AMX, BF16_AVX512, CLASSES, KernelChoice
+from tandem.engine.model.loader import DTYPES, load_model
 from tests.cpu_class import forget_flags
 
 # class -> {(dtype, quantization): what the engine runs}; the spec the rule is held to

@@ -9,13 +9,13 @@ import threading
 import pytest
 import torch
 
-from services.engine.kv_cache.paged_cache import PagedKVCache
-from services.protocol.messages import TransferStatus
-from services.transfer.channel import ChannelBase
-from services.transfer.layout import MIN_RUN_PLANE_BYTES
-from services.transfer.receiver import KVReceiver
-from services.transfer.sender import KVSender, SendJob
-from services.transfer.streams import CpuSync
+from tandem.engine.kv_cache.paged_cache import PagedKVCache
+from tandem.protocol.messages import TransferStatus
+from tandem.transfer.channel import ChannelBase
+from tandem.transfer.layout import MIN_RUN_PLANE_BYTES
+from tandem.transfer.receiver import KVReceiver
+from tandem.transfer.sender import KVSender, SendJob
+from tandem.transfer.device_sync import CpuSync
 
 LAYERS, BLOCK, KVH, DIM = 4, 16, 8, 64  # one block plane = 32 KiB
 
@@ -306,7 +306,7 @@ def test_a_failed_receive_breaks_the_receiver_fails_its_transfers_and_refuses_ne
 
 
 def test_the_watchdog_tears_down_a_call_past_its_deadline_and_spares_the_others():
-    from services.transfer.watchdog import Watchdog
+    from tandem.transfer.watchdog import Watchdog
 
     released = threading.Event()
     dog = Watchdog(lambda what: released.set())

@@ -16,10 +16,10 @@ import threading
 import pytest
 import torch
 
-from services.engine.kv_cache.paged_cache import PagedKVCache
-from services.transfer.channel import ChannelBase
-from services.transfer.sender import KVSender, SendJob, SendReport
-from services.transfer.streams import CpuSync
+from tandem.engine.kv_cache.paged_cache import PagedKVCache
+from tandem.transfer.channel import ChannelBase
+from tandem.transfer.sender import KVSender, SendJob, SendReport
+from tandem.transfer.device_sync import CpuSync
 
 
 class GatedChannel(ChannelBase):
@@ -139,9 +139,9 @@ def test_a_prefill_worker_that_left_its_group_fails_a_transfer_once(tiny_model_d
     layer group and the rest of the step's layers leave it alone."""
     from types import SimpleNamespace
 
-    from services.common.config import CacheConfig, EngineConfig
-    from services.prefill.worker import PrefillWorker
-    from services.protocol.messages import KVTransferDescriptor
+    from tandem.common.config import CacheConfig, EngineConfig
+    from tandem.prefill.worker import PrefillWorker
+    from tandem.protocol.messages import KVTransferDescriptor
 
     worker = PrefillWorker("prefill-0", EngineConfig(model=str(tiny_model_dir),
                                                      cache=CacheConfig(num_blocks=8)))
@@ -162,9 +162,9 @@ def test_a_prefill_worker_that_left_its_group_fails_a_transfer_once(tiny_model_d
 
 def _prefill_worker_with_gated_sends(tiny_model_dir):
     """A real PrefillWorker (tiny model, 16 blocks) whose sends go to a ``GatedChannel``."""
-    from services.common.config import CacheConfig, EngineConfig
-    from services.prefill.worker import PrefillWorker
-    from services.transfer.endpoint import make_sender
+    from tandem.common.config import CacheConfig, EngineConfig
+    from tandem.prefill.worker import PrefillWorker
+    from tandem.transfer.endpoint import make_sender
 
     worker = PrefillWorker("prefill-0", EngineConfig(model=str(tiny_model_dir),
                                                      cache=CacheConfig(num_blocks=16)))
@@ -197,9 +197,9 @@ def test_a_redrive_to_the_same_prefill_worker_waits_for_the_earlier_attempts_rel
     descriptor and its prompt KV is held for good."""
     import asyncio
 
-    from services.common.sampling_params import SamplingParams
-    from services.protocol.messages import KVTransferDescriptor
-    from services.protocol.request_path import PrefillRequest
+    from tandem.common.sampling_params import SamplingParams
+    from tandem.protocol.messages import KVTransferDescriptor
+    from tandem.protocol.request_path import PrefillRequest
 
     worker, channel = _prefill_worker_with_gated_sends(tiny_model_dir)
     layers = worker.engine.model_config.num_layers
@@ -246,10 +246,10 @@ def test_a_step_that_fails_after_its_sends_were_queued_leaves_nothing_held(tiny_
     the next step finishes its prefill and holds its blocks with nobody to free them."""
     import asyncio
 
-    from services.common.sampling_params import SamplingParams
-    from services.prefill.worker import PrefillFailedError
-    from services.protocol.messages import KVTransferDescriptor
-    from services.protocol.request_path import PrefillRequest
+    from tandem.common.sampling_params import SamplingParams
+    from tandem.prefill.worker import PrefillFailedError
+    from tandem.protocol.messages import KVTransferDescriptor
+    from tandem.protocol.request_path import PrefillRequest
 
     worker, channel = _prefill_worker_with_gated_sends(tiny_model_dir)
     layers = worker.engine.model_config.num_layers
@@ -299,9 +299,9 @@ def test_an_abort_queued_behind_a_busy_engine_leaves_a_later_attempt_alone(tiny_
     transfer to send and release its KV, held for good."""
     import asyncio
 
-    from services.common.sampling_params import SamplingParams
-    from services.protocol.messages import KVTransferDescriptor
-    from services.protocol.request_path import PrefillRequest
+    from tandem.common.sampling_params import SamplingParams
+    from tandem.protocol.messages import KVTransferDescriptor
+    from tandem.protocol.request_path import PrefillRequest
 
     worker, channel = _prefill_worker_with_gated_sends(tiny_model_dir)
     channel.gate.set()  # every send fails at once (the peer left): each report releases
@@ -344,10 +344,10 @@ def test_a_step_that_fails_between_layer_groups_frees_its_blocks_after_the_queue
     once, and nothing is held after."""
     import asyncio
 
-    from services.common.sampling_params import SamplingParams
-    from services.prefill.worker import PrefillFailedError
-    from services.protocol.messages import KVTransferDescriptor
-    from services.protocol.request_path import PrefillRequest
+    from tandem.common.sampling_params import SamplingParams
+    from tandem.prefill.worker import PrefillFailedError
+    from tandem.protocol.messages import KVTransferDescriptor
+    from tandem.protocol.request_path import PrefillRequest
 
     worker, channel = _prefill_worker_with_gated_sends(tiny_model_dir)
     layers = worker.engine.model_config.num_layers

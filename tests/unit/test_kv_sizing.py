@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.common.config import CacheConfig
-from services.engine.kv_cache import sizing
-from services.engine.kv_cache.sizing import (GIB, kv_bytes_from_memory, num_kv_blocks,
+from tandem.common.config import CacheConfig
+from tandem.engine.kv_cache import sizing
+from tandem.engine.kv_cache.sizing import (GIB, kv_bytes_from_memory, num_kv_blocks,
                                              working_memory_bytes)
-from services.engine.model.config import ModelConfig
+from tandem.engine.model.config import ModelConfig
 
 CUDA = torch.device("cuda")
 CPU = torch.device("cpu")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.engine.model_source import resolve_model
+from tandem.engine.model_source import resolve_model
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.worker.threads import node_threads, share_of_node, usable_cores
+from tandem.worker.threads import node_threads, share_of_node, usable_cores
 
 
 @pytest.mark.parametrize("asked,node,cores,expected", [

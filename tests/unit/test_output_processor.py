@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.sampling_params import FinishReason, SamplingParams
-from services.engine.default_model import write_model
-from services.text.output_processor import OutputProcessor
-from services.text.tokenizer import Tokenizer
+from tandem.common.sampling_params import FinishReason, SamplingParams
+from tandem.engine.default_model import write_model
+from tandem.text.output_processor import OutputProcessor
+from tandem.text.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

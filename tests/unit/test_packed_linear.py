@@ -10,7 +10,7 @@ import platform
 import pytest
 import torch
 
-from services.engine.model import packed_linear
+from tandem.engine.kernels import packed_linear
 from tests.native_build import build_for
 
 pytestmark = pytest.mark.skipif(packed_linear.load() is None,
@@ -119,7 +119,7 @@ def test_the_other_builds_compute_the_same(tmp_path, march, exact):
         assert torch.equal(other.linear(x[rows // 2:rows // 2 + 1].contiguous(), packed, b, 161)[0],
                            batch[rows // 2])
     assert same(other.linear(x, packed, None, 161), native.linear(x, packed, None, 161))
-    from services.engine.model import cpu_kernels
+    from tandem.engine.kernels import cpu_kernels
 
     w, b, gen = _case(128, 70, bias=True)  # gate|up of 64 channels each
     packed = native.pack(w)
@@ -132,7 +132,7 @@ def test_the_other_builds_compute_the_same(tmp_path, march, exact):
 @pytest.mark.parametrize("inter,k", [(32, 17), (160, 64), (1536, 576)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_fused_gate_up_silu_is_bit_identical_to_the_product_then_silu_mul(inter, k, bias):
-    from services.engine.model import cpu_kernels
+    from tandem.engine.kernels import cpu_kernels
 
     kernels, native = packed_linear.load(), cpu_kernels.load()
     w, b, gen = _case(2 * inter, k, bias)

@@ -7,13 +7,13 @@ import json
 import pytest
 import yaml
 
-from services.bench import profile as profile_mod
-from services.bench.perf_model import DecodeModel, PrefillModel, StepModel, TransferModel, attention_pairs
-from services.bench.mix import Mix, all_mixes, helm_values
-from services.bench.cpu_share import Hardware
-from services.bench.plan import recommend
-from services.bench.plan_validate import error
-from services.cluster.cli import main as cli
+from tandem.planner import profile as profile_mod
+from tandem.planner.perf_model import DecodeModel, PrefillModel, StepModel, TransferModel, attention_pairs
+from tandem.planner.mix import Mix, all_mixes, helm_values
+from tandem.planner.cpu_share import Hardware
+from tandem.planner.prediction import recommend
+from tandem.planner.plan_validate import error
+from tandem.cli.main import main as cli
 
 
 def test_prefill_fit_recovers_linear_and_attention_costs():
@@ -109,7 +109,7 @@ def test_helm_values_set_the_worker_groups():
 
 
 def test_step_factors_set_served_step_cpu_against_the_profiled_cost_of_the_same_steps():
-    from services.bench.plan_validate import step_factors
+    from tandem.planner.plan_validate import step_factors
 
     model = StepModel(PrefillModel(0.02, 0.0, 0.0), DecodeModel(0.01, 0.0, 0.0))
     simulated = {"prefill": {"steps": 10, "prefill_s": 2.0, "decode_s": 0.0},
@@ -255,7 +255,7 @@ def test_background_sampler_is_not_biased_by_counters_that_tick_apart(monkeypatc
     take it back must cancel, not leave a share of our core counted as background."""
     import types
 
-    from services.bench import cpu_load
+    from tandem.bench import cpu_load
 
     clock = {"t": 0.0, "busy": 0.0, "ours": 0.0, "n": 0}
 
@@ -280,13 +280,13 @@ def test_background_sampler_is_not_biased_by_counters_that_tick_apart(monkeypatc
 
 
 class _FakeProc:
-    """/proc as ``services.bench.cpu_load`` reads it, set by the test: the clock, the CPU
+    """/proc as ``tandem.bench.cpu_load`` reads it, set by the test: the clock, the CPU
     seconds all CPUs have been busy, and each live process's CPU seconds and parent."""
 
     def __init__(self, monkeypatch) -> None:
         from types import SimpleNamespace
 
-        from services.bench import cpu_load
+        from tandem.bench import cpu_load
 
         self.now, self.busy, self.cpu, self.parent = 0.0, 0.0, {}, {}
         monkeypatch.setattr(cpu_load, "time", SimpleNamespace(monotonic=lambda: self.now,
@@ -313,7 +313,7 @@ class _FakeProc:
 def test_background_sampler_counts_other_processes_cpu_not_ours(monkeypatch):
     import os
 
-    from services.bench.cpu_load import BackgroundSampler, busy_cpu_seconds, process_cpu_seconds
+    from tandem.bench.cpu_load import BackgroundSampler, busy_cpu_seconds, process_cpu_seconds
 
     proc = _FakeProc(monkeypatch)
     proc.cpu = {10: 0.0, 20: 0.0}  # ours (10) and a process of someone else's (20)
@@ -347,7 +347,7 @@ def test_background_sampler_counts_other_processes_cpu_not_ours(monkeypatch):
 
 
 def test_validation_table_shows_errors_and_unmeasured_mixes(capsys):
-    from services.bench.plan_validate import print_validation
+    from tandem.planner.plan_validate import print_validation
 
     row = {"mix": "1P+1D", "quiet_predicted_rps": 2.0, "as_profiled_rps": 1.1, "as_profiled_error": error(1.1, 1.0),
            "background_cores": 3.2, "frontend_ms_per_token": 1.2, "predicted_rps": 1.2, "predicted_bounded": True,
@@ -371,7 +371,7 @@ def test_engine_counters_sum_every_workers_counters_and_keep_them_per_role():
     import http.server
     import threading
 
-    from services.bench.server_cpu import EngineCounters, engine_counters
+    from tandem.bench.server_cpu import EngineCounters, engine_counters
 
     text = ('# HELP tandem_engine_step_cpu_seconds_total x\n# TYPE tandem_engine_step_cpu_seconds_total counter\n'
             'tandem_engine_step_cpu_seconds_total{role="prefill",worker="prefill-0"} 1.5\n'
@@ -422,7 +422,7 @@ def test_tree_cpu_counts_descendants():
     import subprocess
     import sys
 
-    from services.bench.cpu_load import tree_cpu_seconds, wait_until_idle
+    from tandem.bench.cpu_load import tree_cpu_seconds, wait_until_idle
 
     # the busy process is a grandchild (a shell runs it): 0.6 s of its own CPU time (however
     # long that takes on this machine), then it says so and sleeps
@@ -441,8 +441,8 @@ def test_tree_cpu_counts_descendants():
 
 
 def test_idle_wait_waits_while_the_tree_is_busy_and_gives_up_at_its_limit(monkeypatch):
-    from services.bench import cpu_load
-    from services.bench.cpu_load import wait_until_idle
+    from tandem.bench import cpu_load
+    from tandem.bench.cpu_load import wait_until_idle
 
     proc = _FakeProc(monkeypatch)
     proc.cpu, proc.parent = {1: 0.0, 2: 0.0}, {2: 1}
@@ -463,8 +463,8 @@ def test_idle_wait_waits_while_the_tree_is_busy_and_gives_up_at_its_limit(monkey
 def test_pooled_sweeps_score_each_rate_over_every_sequence():
     """Two sweeps at 1 and 2 req/s: each rate's requests are scored together, so a rate one
     sweep met and the other missed meets the SLO as often as the two together do."""
-    from services.bench.metrics_math import SLO, summarize
-    from services.bench.plan_validate import pool
+    from tandem.bench.metrics_math import SLO, summarize
+    from tandem.planner.plan_validate import pool
 
     slo = SLO(ttft_s=0.1, tpot_s=0.05, attainment=0.9)
 
@@ -493,7 +493,7 @@ def test_pooled_sweeps_score_each_rate_over_every_sequence():
 
 
 def test_the_request_paths_cost_per_step_and_per_token_is_fitted_over_the_mixes():
-    from services.bench.plan_validate import path_fit
+    from tandem.planner.plan_validate import path_fit
 
     def row(steps: float, tokens: int) -> dict:
         return {"engine_steps": steps, "tokens": tokens, "request_path_cpu_s": 0.005 * steps + 0.0004 * tokens}

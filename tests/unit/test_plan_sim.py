@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from services.bench.perf_model import DecodeModel, PrefillModel, StepModel, TransferModel
-from services.bench.cpu_share import CorePlacement, Hardware, Job, nice_weight, share_cores
-from services.bench.mix import Mix
-from services.bench.plan_sim import Simulation
-from services.bench.sim_worker import Engine, SimRequest
-from services.router.config import RouterConfig
+from tandem.planner.perf_model import DecodeModel, PrefillModel, StepModel, TransferModel
+from tandem.planner.cpu_share import CorePlacement, Hardware, Job, nice_weight, share_cores
+from tandem.planner.mix import Mix
+from tandem.planner.plan_sim import Simulation
+from tandem.planner.sim_worker import Engine, SimRequest
+from tandem.router.config import RouterConfig
 
 KV_BYTES = 1000  # per token
 
@@ -316,3 +316,4 @@ def test_a_mix_needs_its_workers():
     with pytest.raises(ValueError, match="not both"):
         Simulation([], mix=Mix(0, 2, colocated=True, conditional=True), steps=steps(), transfer=None,
                    engine=Engine(), hardware=Hardware(2))
+

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine.prefill_rate import PrefillRate
+from tandem.engine.prefill_rate import PrefillRate
 
 
 def test_no_rate_until_a_prompt_step_was_observed():

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.worker.threads import ElasticThreads
+from tandem.worker.threads import ElasticThreads
 
 
 class RecordingSender:
@@ -24,9 +24,9 @@ class RecordingSender:
 
 @pytest.fixture
 def worker(tiny_model_dir):
-    from services.common.config import CacheConfig, EngineConfig
-    from services.prefill.worker import PrefillWorker
-    from services.protocol.messages import KVTransferDescriptor
+    from tandem.common.config import CacheConfig, EngineConfig
+    from tandem.prefill.worker import PrefillWorker
+    from tandem.protocol.messages import KVTransferDescriptor
 
     w = PrefillWorker("prefill-0", EngineConfig(model=str(tiny_model_dir),
                                                 cache=CacheConfig(num_blocks=8)))

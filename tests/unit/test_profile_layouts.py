@@ -9,15 +9,15 @@ import pytest
 import torch
 import yaml
 
-from services.bench import profile as profile_mod
-from services.bench.perf_model import attention_pairs
-from services.bench.mix import Mix, helm_values
-from services.bench.plan import models
-from services.bench.plan_validate import burst_args, server_layout_args
-from services.cluster.cli import build_parser, main as cli
-from services.cluster.serve import build_config
-from services.common.config import CPU_FP32_DTYPES, DTYPES, ClusterConfig, EngineConfig
-from services.engine.model.loader import resolve_dtype
+from tandem.planner import profile as profile_mod
+from tandem.planner.perf_model import attention_pairs
+from tandem.planner.mix import Mix, helm_values
+from tandem.planner.prediction import models
+from tandem.planner.plan_validate import burst_args, server_layout_args
+from tandem.cli.main import build_parser, main as cli
+from tandem.cli.serve import build_config
+from tandem.common.config import CPU_FP32_DTYPES, DTYPES, ClusterConfig, EngineConfig
+from tandem.engine.model.loader import resolve_dtype
 
 
 def test_each_kind_of_worker_gets_the_layout_the_cluster_gives_it():

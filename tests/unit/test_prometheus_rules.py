@@ -19,7 +19,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 
-from services.common.metrics import cluster_families, gateway_metrics, worker_metrics
+from tandem.common.metrics import cluster_families, gateway_metrics, worker_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 PROM = ROOT / "deploy" / "prometheus"

@@ -1,4 +1,4 @@
-"""services.protocol: wire messages, header framing, generated code and buf checks."""
+"""tandem.protocol: wire messages, header framing, generated code and buf checks."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from services.common.sampling_params import FinishReason, SamplingParams
-from services.protocol import (
+from tandem.common.sampling_params import FinishReason, SamplingParams
+from tandem.protocol import (
     HEADER_BYTES,
     MAX_HEADER_PAYLOAD,
     CompatibilityDescriptor,
@@ -36,11 +36,11 @@ from services.protocol import (
     layer_groups,
     payload_checksum,
 )
-from services.protocol.gen.tandem.v1 import kv_transfer_pb2 as pb
+from tandem.protocol.gen.tandem.v1 import kv_transfer_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[2]
 PROTOS = ROOT / "protos"
-GEN = ROOT / "services" / "protocol" / "gen"
+GEN = ROOT / "services" / "tandem" / "protocol" / "gen"
 
 
 def _compat(**kw) -> CompatibilityDescriptor:
@@ -302,7 +302,7 @@ def test_token_delta_rules_and_dedup_on_redrive():
 
 def test_protocol_imports_no_dev_or_heavy_packages():
     allowed_third_party = {"google"}
-    for path in (ROOT / "services" / "protocol").rglob("*.py"):
+    for path in (ROOT / "services" / "tandem" / "protocol").rglob("*.py"):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
@@ -311,7 +311,7 @@ def test_protocol_imports_no_dev_or_heavy_packages():
             for name in names:
                 top = name.split(".")[0]
                 assert top in sys.stdlib_module_names or top in allowed_third_party or \
-                    name.startswith(("services.common", "services.protocol")), f"{path}: {name}"
+                    name.startswith(("tandem.common", "tandem.protocol")), f"{path}: {name}"
 
 
 # --------------------------------------------------------------------------- generated code
@@ -325,7 +325,7 @@ def test_generated_code_passes_the_runtime_version_check():
     assert have[0] == gen[0] and have >= gen, (
         f"protobuf {runtime} installed, generated code needs {'.'.join(map(str, gen))} (same major)")
     assert pb.DESCRIPTOR.package == "tandem.v1"
-    assert pb.LayerGroupHeader.__module__ == "services.protocol.gen.tandem.v1.kv_transfer_pb2"
+    assert pb.LayerGroupHeader.__module__ == "tandem.protocol.gen.tandem.v1.kv_transfer_pb2"
 
 
 def _tree(root: Path) -> dict[str, bytes]:
@@ -341,7 +341,7 @@ def test_committed_generated_code_is_up_to_date(tmp_path):
     fresh, committed = _tree(out), _tree(GEN)
     assert sorted(fresh) == sorted(committed)
     stale = [name for name in fresh if fresh[name] != committed[name]]
-    assert not stale, (f"services/protocol/gen is stale ({stale}); run protos/check.sh --write "
+    assert not stale, (f"services/tandem/protocol/gen is stale ({stale}); run protos/check.sh --write "
                        "with the grpcio-tools version pinned in pyproject.toml")
     assert filecmp.dircmp(out, GEN).diff_files == []
 

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from services.router import (ClusterFullError, NoWorkersError, PromptTooLargeError, Router,
+from tandem.router import (ClusterFullError, NoWorkersError, PromptTooLargeError, Router,
                              RouterConfig, WorkerHandle, WorkerLoad)
 
 

@@ -9,11 +9,11 @@ from contextlib import aclosing
 
 import pytest
 
-from services.common.sampling_params import FinishReason, SamplingParams
-from services.protocol.messages import KVTransferDescriptor, layer_groups
-from services.protocol.request_path import PrefillResult, TokenDelta
-from services.router import NoWorkersError, Router, RouterConfig, WorkerLoad
-from services.router.driver import RequestDriver, TransferError, WorkerLostError
+from tandem.common.sampling_params import FinishReason, SamplingParams
+from tandem.protocol.messages import KVTransferDescriptor, layer_groups
+from tandem.protocol.request_path import PrefillResult, TokenDelta
+from tandem.router import NoWorkersError, Router, RouterConfig, WorkerLoad
+from tandem.router.driver import RequestDriver, TransferError, WorkerLostError
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=3)
 
@@ -130,7 +130,7 @@ def test_a_stream_under_way_moves_to_a_full_decode_worker_instead_of_being_cut()
 
 
 def test_every_attempt_gets_its_own_transfer_id():
-    from services.router.driver import transfer_id
+    from tandem.router.driver import transfer_id
 
     ids = {transfer_id("r", 0), transfer_id("r", 0), transfer_id("r", 1)}
     assert len(ids) == 3 and all(i.startswith("r#") for i in ids)

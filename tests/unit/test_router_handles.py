@@ -1,4 +1,4 @@
-"""Ray failures as the router sees them (services/cluster/handles.py): a transient
+"""Ray failures as the router sees them (services/tandem/cluster/handles.py): a transient
 ``ActorUnavailableError`` is retried, not death; a prefill queue timeout is a 503; a
 decode worker's token feed carries every stream and its end fails each of them."""
 
@@ -9,17 +9,17 @@ import asyncio
 import pytest
 import ray.exceptions as rex
 
-from services.cluster.handles import RayDecode, RayWorker, is_transient
-from services.common.sampling_params import FinishReason, SamplingParams
-from services.decode.feed import RequestFailedError, StreamError
-from services.protocol.request_path import DecodeRequest, TokenDelta
-from services.decode.worker import TransferFailedError
-from services.engine.engine_loop import EngineLoopStopped
-from services.gateway.errors import from_backend_error
-from services.prefill.worker import PrefillTimeoutError
-from services.router.driver import TransferError, WorkerLostError
-from services.router.errors import PrefillQueueTimeoutError
-from services.transfer.channel import ChannelBrokenError
+from tandem.cluster.handles import RayDecode, RayWorker, is_transient
+from tandem.common.sampling_params import FinishReason, SamplingParams
+from tandem.decode.feed import RequestFailedError, StreamError
+from tandem.protocol.request_path import DecodeRequest, TokenDelta
+from tandem.decode.worker import TransferFailedError
+from tandem.engine.engine_loop import EngineLoopStopped
+from tandem.gateway.errors import from_backend_error
+from tandem.prefill.worker import PrefillTimeoutError
+from tandem.router.driver import TransferError, WorkerLostError
+from tandem.router.errors import PrefillQueueTimeoutError
+from tandem.transfer.channel import ChannelBrokenError
 
 
 def _task_error(cause: BaseException) -> rex.RayTaskError:
@@ -134,7 +134,7 @@ def test_a_request_failure_on_the_feed_is_translated_like_a_call_error(error, ra
 
 
 def test_a_stream_with_no_progress_fails_after_the_stall_timeout(monkeypatch):
-    import services.decode.feed as feed
+    import tandem.decode.feed as feed
 
     monkeypatch.setattr(feed, "STALL_TIMEOUT_S", 0.05)
 

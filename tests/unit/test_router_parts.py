@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.block_hash import prefix_hashes
-from services.router import RouterConfig, WorkerLoad
-from services.router.ledger import InflightLedger, Pending
-from services.router.prefix_index import PrefixIndex
-from services.router.worker import blocks_for
+from tandem.common.block_hash import prefix_hashes
+from tandem.router import RouterConfig, WorkerLoad
+from tandem.router.ledger import InflightLedger, Pending
+from tandem.router.prefix_index import PrefixIndex
+from tandem.router.load import blocks_for
 
 
 def test_config_validates_and_normalizes():

@@ -1,8 +1,8 @@
 """Benchmarks name the CPU their figures come from: model, family and model number, and the
 vector instruction set the native kernels use there."""
 
-from services.bench import runinfo
-from services.engine.model.cpu_features import vector_isa
+from tandem.bench import runinfo
+from tandem.engine.kernels.cpu_features import vector_isa
 
 EPYC = """processor\t: 0
 vendor_id\t: AuthenticAMD

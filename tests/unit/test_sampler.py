@@ -1,4 +1,4 @@
-"""Unit tests for services.engine.sampler (CPU, deterministic)."""
+"""Unit tests for tandem.engine.sampler (CPU, deterministic)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from services.common.sampling_params import SamplingParams
-from services.engine.model import cpu_kernels
-from services.engine.sampler import (
+from tandem.common.sampling_params import SamplingParams
+from tandem.engine.kernels import cpu_kernels
+from tandem.engine.sampler import (
     Sampler,
     SamplingBatch,
     apply_logit_bias,
@@ -400,7 +400,7 @@ def test_mismatched_batch_raises():
 
 
 def test_the_native_argmax_changes_no_token():
-    from services.engine.model import cpu_kernels
+    from tandem.engine.kernels import cpu_kernels
 
     kernels = cpu_kernels.load()
     if kernels is None:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine import sampling_masks
-from services.engine.model import cpu_kernels
-from services.engine.sampling_masks import apply_sampling_masks
+from tandem.engine import sampling_masks
+from tandem.engine.kernels import cpu_kernels
+from tandem.engine.sampling_masks import apply_sampling_masks
 
 
 def _full_sort(monkeypatch, *args):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import types
 
-from services.cluster.scale import new_worker_ids
+from tandem.cluster.scale import new_worker_ids
 
 
 def _cluster(prefill=(), decode=(), draining=()):

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import random
 
-from services.common.config import EngineRole, SchedulerConfig
-from services.common.sampling_params import FinishReason, SamplingParams
-from services.engine.kv_cache.block_pool import BlockPool
-from services.engine.kv_cache.kv_manager import KVCacheManager
-from services.engine.scheduler import Scheduler
-from services.engine.sequence import Sequence, SequenceStatus
+from tandem.common.config import EngineRole, SchedulerConfig
+from tandem.common.sampling_params import FinishReason, SamplingParams
+from tandem.engine.kv_cache.block_pool import BlockPool
+from tandem.engine.kv_cache.kv_manager import KVCacheManager
+from tandem.engine.scheduler import Scheduler
+from tandem.engine.sequence import Sequence, SequenceStatus
 
 
 def _sched(num_blocks=64, block_size=4, **cfg) -> Scheduler:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.bench.server_cpu import fit_per_step_and_token as fit
+from tandem.bench.server_cpu import fit_per_step_and_token as fit
 
 
 def test_fit_separates_the_cost_per_step_from_the_cost_per_token():

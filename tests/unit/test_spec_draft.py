@@ -9,12 +9,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from services.cluster.cli import main as cli_main
-from services.common.config import SpeculativeConfig
-from services.engine.model.config import ModelConfig
-from services.engine.spec.draft_model import decode_weights
-from services.engine.spec.speculator import Speculator
-from services.engine.spec.truncated_draft import truncated_draft_path, write_truncated_draft
+from tandem.cli.main import main as cli_main
+from tandem.common.config import SpeculativeConfig
+from tandem.engine.model.config import ModelConfig
+from tandem.engine.spec.draft_model import decode_weights
+from tandem.engine.spec.speculator import Speculator
+from tandem.engine.spec.truncated_draft import truncated_draft_path, write_truncated_draft
 
 
 def _tensors(folder) -> dict[str, torch.Tensor]:

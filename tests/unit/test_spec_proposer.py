@@ -6,11 +6,11 @@ import random
 
 import pytest
 
-from services.common.config import SpeculativeConfig
-from services.common.sampling_params import SamplingParams
-from services.engine.sequence import Sequence, SequenceStatus
-from services.engine.spec.proposer import NgramProposer
-from services.engine.spec.speculator import SequenceTokens, Speculator, best_k
+from tandem.common.config import SpeculativeConfig
+from tandem.common.sampling_params import SamplingParams
+from tandem.engine.sequence import Sequence, SequenceStatus
+from tandem.engine.spec.proposer import NgramProposer
+from tandem.engine.spec.speculator import SequenceTokens, Speculator, best_k
 
 
 def _brute_force(tokens: list[int], k: int, ns: range) -> list[int]:

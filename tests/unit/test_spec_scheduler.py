@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from services.common.config import SchedulerConfig
-from services.common.sampling_params import SamplingParams
-from services.engine.kv_cache.block_pool import BlockPool
-from services.engine.kv_cache.kv_manager import KVCacheManager
-from services.engine.scheduler import Scheduler
-from services.engine.sequence import Sequence
+from tandem.common.config import SchedulerConfig
+from tandem.common.sampling_params import SamplingParams
+from tandem.engine.kv_cache.block_pool import BlockPool
+from tandem.engine.kv_cache.kv_manager import KVCacheManager
+from tandem.engine.scheduler import Scheduler
+from tandem.engine.sequence import Sequence
 
 
 def _decoding(s: Scheduler, seq_id: str, n_prompt: int) -> Sequence:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.cluster.cli import build_parser
-from services.cluster.serve import build_config
-from services.common.metrics import exported_names, worker_metrics
+from tandem.cli.main import build_parser
+from tandem.cli.serve import build_config
+from tandem.common.metrics import exported_names, worker_metrics
 
 
 def test_serve_flags_build_a_speculative_engine_config():
@@ -39,7 +39,7 @@ def test_speculation_metrics_are_exported():
 
 
 def test_edit_workload_quotes_the_passage():
-    from services.bench.spec import PASSAGES, edit_prompt
+    from tandem.bench.spec import PASSAGES, edit_prompt
 
     assert edit_prompt(PASSAGES[0]).endswith(PASSAGES[0])
 

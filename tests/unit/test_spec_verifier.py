@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.common.sampling_params import SamplingParams
-from services.engine.sampler import Sampler, SamplingBatch, apply_sampling_masks
-from services.engine.spec.verifier import DraftPrefix, accepted_length
+from tandem.common.sampling_params import SamplingParams
+from tandem.engine.sampler import Sampler, SamplingBatch, apply_sampling_masks
+from tandem.engine.spec.verifier import DraftPrefix, accepted_length
 
 V = 6
 N = 30000

@@ -1,4 +1,4 @@
-"""A step's CPU: the calling thread's and its OpenMP helpers' (``services.engine.team_cpu``)."""
+"""A step's CPU: the calling thread's and its OpenMP helpers' (``tandem.engine.team_cpu``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from services.engine.team_cpu import TeamClock, team_helpers, thread_clock
+from tandem.engine.team_cpu import TeamClock, team_helpers, thread_clock
 
 
 @pytest.fixture
@@ -21,7 +21,7 @@ def two_threads():
 
 
 def test_a_team_of_two_has_one_helper_which_torch_and_the_native_kernels_share(two_threads):
-    from services.engine.model import cpu_kernels
+    from tandem.engine.kernels import cpu_kernels
 
     x = torch.randn(512, 512)
     _ = x @ x  # torch's region starts the team

@@ -11,12 +11,12 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.core import GaugeMetricFamily
 
-from services.cluster.backend import ClusterBackend
-from services.cluster.telemetry import ClusterTelemetry
-from services.gateway import create_app
-from services.gateway.fake_backend import FakeBackend
-from services.router.worker import WorkerLoad
-from services.text.tokenizer import Tokenizer
+from tandem.cluster.backend import ClusterBackend
+from tandem.cluster.telemetry import ClusterTelemetry
+from tandem.gateway import create_app
+from tests.fake_backend import FakeBackend
+from tandem.router.load import WorkerLoad
+from tandem.text.tokenizer import Tokenizer
 
 KEY = "sk-metrics-key-0123"
 

@@ -9,11 +9,11 @@ import threading
 
 import pytest
 
-from services.common.sampling_params import FinishReason
-from services.decode.feed import RequestFailedError, StreamError, TokenFeed
-from services.engine.engine import EngineOutput
-from services.engine.engine_loop import EngineLoopStopped
-from services.protocol.request_path import TokenDelta
+from tandem.common.sampling_params import FinishReason
+from tandem.decode.feed import RequestFailedError, StreamError, TokenFeed
+from tandem.engine.engine import EngineOutput
+from tandem.engine.engine_loop import EngineLoopStopped
+from tandem.protocol.request_path import TokenDelta
 
 
 def _out(rid: str, *tokens: int, reason: FinishReason | None = None) -> EngineOutput:

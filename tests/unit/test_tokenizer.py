@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from services.engine.default_model import write_model
-from services.text.tokenizer import Tokenizer
+from tandem.engine.default_model import write_model
+from tandem.text.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello world",

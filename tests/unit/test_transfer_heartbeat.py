@@ -9,12 +9,12 @@ import threading
 
 import torch
 
-from services.engine.kv_cache.paged_cache import PagedKVCache
-from services.protocol.payload import HEADER_BYTES, decode_header
-from services.transfer.channel import ChannelBase
-from services.transfer.receiver import KVReceiver
-from services.transfer.sender import HEARTBEAT_ID, KVSender, SendJob
-from services.transfer.streams import CpuSync
+from tandem.engine.kv_cache.paged_cache import PagedKVCache
+from tandem.protocol.payload import HEADER_BYTES, decode_header
+from tandem.transfer.channel import ChannelBase
+from tandem.transfer.receiver import KVReceiver
+from tandem.transfer.sender import HEARTBEAT_ID, KVSender, SendJob
+from tandem.transfer.device_sync import CpuSync
 
 
 class QueueChannel(ChannelBase):

@@ -10,13 +10,13 @@ from multiprocessing import Pipe
 import pytest
 import torch
 
-from services.engine.kv_cache.paged_cache import PagedKVCache
-from services.transfer.channel import ChannelBrokenError
-from services.transfer.ipc_channel import IpcChannel
-from services.transfer.receiver import KVReceiver
-from services.transfer.rendezvous import FileRendezvous
-from services.transfer.sender import KVSender, SendJob
-from services.transfer.streams import CpuSync, RecordingSync
+from tandem.engine.kv_cache.paged_cache import PagedKVCache
+from tandem.transfer.channel import ChannelBrokenError
+from tandem.transfer.ipc_channel import IpcChannel
+from tandem.transfer.receiver import KVReceiver
+from tandem.transfer.rendezvous import FileRendezvous
+from tandem.transfer.sender import KVSender, SendJob
+from tandem.transfer.device_sync import CpuSync, RecordingSync
 
 
 def _pair(sync_factory=CpuSync):
@@ -125,7 +125,7 @@ def test_a_message_of_the_wrong_size_breaks_the_channel():
 
 
 def test_the_two_process_pair_check_runs_its_plumbing_on_cpu():
-    from services.transfer.pair_check import check_pair
+    from tandem.transfer.pair_check import check_pair
 
     result = check_pair("ipc", ("cpu", "cpu"), num_blocks=4, repeats=2, dtype="float32",
                         timeout_s=60)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.transfer.layout import (MAX_SEGMENTS, MIN_RUN_PLANE_BYTES, common_runs, messages,
+from tandem.transfer.layout import (MAX_SEGMENTS, MIN_RUN_PLANE_BYTES, common_runs, messages,
                                       runs_fit, zero_copy_segments)
 
 

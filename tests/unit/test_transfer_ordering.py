@@ -18,13 +18,13 @@ import threading
 import pytest
 import torch
 
-from services.common.config import CacheConfig, EngineConfig
-from services.common.sampling_params import SamplingParams
-from services.protocol.payload import HEADER_BYTES, decode_header
-from services.protocol.request_path import DecodeRequest, PrefillRequest
-from services.transfer.channel import ChannelBase
-from services.transfer.endpoint import make_receiver, make_sender
-from services.transfer.streams import RecordingSync
+from tandem.common.config import CacheConfig, EngineConfig
+from tandem.common.sampling_params import SamplingParams
+from tandem.protocol.payload import HEADER_BYTES, decode_header
+from tandem.protocol.request_path import DecodeRequest, PrefillRequest
+from tandem.transfer.channel import ChannelBase
+from tandem.transfer.endpoint import make_receiver, make_sender
+from tandem.transfer.device_sync import RecordingSync
 from tests.decode_stream import decode_stream
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -63,8 +63,8 @@ def _boxes(*pairs) -> dict:
 def workers(tiny_model_dir):
     """A prefill worker (rank 0) whose events stay pending until completed, and a decode
     worker (rank 1) with a prefill peer, sharing one log."""
-    from services.decode.worker import DecodeWorker
-    from services.prefill.worker import PrefillWorker
+    from tandem.decode.worker import DecodeWorker
+    from tandem.prefill.worker import PrefillWorker
 
     class LoggedPrefill(PrefillWorker):
         def _on_layer_done(self, layer, completing):
@@ -118,7 +118,7 @@ def _run(prefill, decode, rid: str, group_size: int, on_first=None) -> list[int]
 
 
 def test_a_full_transfer_is_ordered_by_events_from_compute_to_decode(workers, tiny_model_dir):
-    from services.engine import LLM
+    from tandem.engine import LLM
 
     prefill, decode, log, p_sync = workers
     held = {}
@@ -174,7 +174,7 @@ def test_a_full_transfer_is_ordered_by_events_from_compute_to_decode(workers, ti
 
 
 def test_an_aborted_transfer_frees_its_blocks_only_after_its_writes_completed(tiny_model_dir):
-    from services.decode.worker import DecodeWorker
+    from tandem.decode.worker import DecodeWorker
 
     log: list = []
     # held: the events that mark KV written (timing events), not the header arrivals
@@ -186,7 +186,7 @@ def test_an_aborted_transfer_frees_its_blocks_only_after_its_writes_completed(ti
     decode.receiver = make_receiver(RecordingChannel(1, [0], boxes, d_sync), decode.engine, [0])
     decode.rank = 1
     src = decode.engine.kv_cache
-    from services.transfer.sender import KVSender, SendJob
+    from tandem.transfer.sender import KVSender, SendJob
 
     sender = KVSender(RecordingChannel(0, [1], boxes, p_sync), src.gather, src.block_shape,
                       src.dtype, lambda r: None, src.plane, src.plane_block_bytes, 1)
@@ -240,9 +240,9 @@ def _wait_for(condition) -> None:
 def test_two_prefill_peers_never_wait_on_each_others_streams(tiny_model_dir):
     """Peer 2 completes a transfer while a receive for idle peer 0 is posted; each peer's
     receives, events and host waits stay on that peer's own stream."""
-    from services.engine.kv_cache.paged_cache import PagedKVCache
-    from services.transfer.receiver import KVReceiver
-    from services.transfer.sender import KVSender, SendJob
+    from tandem.engine.kv_cache.paged_cache import PagedKVCache
+    from tandem.transfer.receiver import KVReceiver
+    from tandem.transfer.sender import KVSender, SendJob
 
     log: list = []
     sync = RecordingSync(log, label="D:")

@@ -10,10 +10,10 @@ import threading
 
 import pytest
 
-from services.common.config import ClusterConfig, EngineConfig
-from services.transfer.nccl_channel import pair_order
-from services.transfer.placement import pair_transports
-from services.worker.device import resolve_device
+from tandem.common.config import ClusterConfig, EngineConfig
+from tandem.transfer.nccl_channel import pair_order
+from tandem.transfer.placement import pair_transports
+from tandem.worker.device import resolve_device
 
 CUDA = EngineConfig(device="cuda")
 
@@ -120,8 +120,8 @@ def test_meeting_pairs_in_pair_order_never_deadlocks(prefill, decode):
 
 
 def test_both_ends_of_a_pair_get_one_unique_id_and_the_meeting_point_is_cleaned(tmp_path):
-    from services.transfer.nccl_channel import exchange_unique_id, pair_key
-    from services.transfer.rendezvous import FileRendezvous
+    from tandem.transfer.nccl_channel import exchange_unique_id, pair_key
+    from tandem.transfer.rendezvous import FileRendezvous
 
     meet = FileRendezvous(tmp_path / "meet")
     key = pair_key("g", 3, 1)

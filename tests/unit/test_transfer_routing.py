@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.transfer import endpoint
-from services.transfer.channel import ChannelBase
-from services.transfer.routed import RoutedChannel
-from services.transfer.streams import CpuSync
+from tandem.transfer import endpoint
+from tandem.transfer.channel import ChannelBase
+from tandem.transfer.routed import RoutedChannel
+from tandem.transfer.device_sync import CpuSync
 
 
 class Part(ChannelBase):

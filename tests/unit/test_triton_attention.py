@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from services.bench.gpucheck.kernel_check import random_batch, reference_attention
+from tandem.gpucheck.kernel_check import random_batch, reference_attention
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton"),
@@ -26,7 +26,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def tk():
-    from services.engine.model import triton_kernels
+    from tandem.engine.kernels import triton_kernels
 
     return triton_kernels
 
@@ -86,7 +86,7 @@ def checkpoint(tk, tmp_path_factory, tiny_model_dir):
 
 def test_engine_on_triton_matches_torch_backend(checkpoint):
     """Prefill, chunked prefill (budget 24), decode past the window, eager and graph path."""
-    from services.engine import LLM, SamplingParams
+    from tandem.engine import LLM, SamplingParams
 
     prompts = [list(range(3, 3 + n)) for n in (5, 38)]
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=2)
@@ -109,7 +109,7 @@ def test_engine_on_triton_matches_torch_backend(checkpoint):
 
 
 def test_triton_backend_on_cpu_without_interpreter_is_refused(checkpoint, monkeypatch):
-    from services.engine import LLM
+    from tandem.engine import LLM
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="needs CUDA"):
@@ -121,10 +121,10 @@ def test_fused_layer_ops_round_as_torch_does(dtype):
     """Residual add + RMSNorm, RoPE on strided q/k views, SiLU-and-mul: one kernel each,
     equal to the torch ops. Not bf16: the interpreter truncates to bf16 where the GPU rounds
     to nearest (gpu-check compares bf16 on the device)."""
-    from services.engine.model.layer_ops import TorchLayerOps
-    from services.engine.model.llama import RMSNorm
-    from services.engine.model.rope import RotaryEmbedding
-    from services.engine.model.triton_layer_ops import TritonLayerOps
+    from tandem.engine.model.layer_ops import TorchLayerOps
+    from tandem.engine.model.llama import RMSNorm
+    from tandem.engine.model.rope import RotaryEmbedding
+    from tandem.engine.model.triton_layer_ops import TritonLayerOps
 
     def close(a, b):
         return torch.allclose(a.float(), b.float(), rtol=1e-6, atol=1e-6)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from services.engine.decode_graphs import BUCKETS, bucket_for, buckets_up_to
-from services.engine.varlen_inputs import VarlenInputs, VarlenLayout, fill
+from tandem.engine.decode_graphs import BUCKETS, bucket_for, buckets_up_to
+from tandem.engine.varlen_inputs import VarlenInputs, VarlenLayout, fill
 
 # two sequences: a 3-token prefill chunk from position 4 (blocks 7, 2) and a decode
 # at position 9 (blocks 5, 1, 6), block size 4
