@@ -317,3 +317,23 @@ def test_a_mix_needs_its_workers():
         Simulation([], mix=Mix(0, 2, colocated=True, conditional=True), steps=steps(), transfer=None,
                    engine=Engine(), hardware=Hardware(2))
 
+
+def test_the_simulated_worker_batches_by_the_engines_rule(monkeypatch):
+    # One worker, 16 tokens a step: a long decode, then a 63-token prompt arriving while it
+    # runs. The engine serves decodes before prompt chunks, so the decode keeps a token in
+    # every step and the prompt takes five steps (15 tokens each); served prompts first (the
+    # rule changed in tandem.engine.batching), its later chunks take whole steps (four in
+    # all) while the decode waits, and the plan's prediction moves with the rule.
+    from tandem.engine import batching
+
+    def run():
+        recs = simulate([req(0.0, 16, 40, 0), req(0.25, 63, 2, 1)], decode=1, colocated=True, budget=16,
+                        model=steps(prefill_s=0.05, decode_base=0.01))
+        return {r["prompt_tokens"]: r for r in recs}
+
+    engines = run()
+    monkeypatch.setattr(batching, "running_order", lambda running, uncomputed:
+                        sorted(running, key=lambda s: uncomputed(s) == 1))
+    prompts_first = run()
+    assert prompts_first[16]["tpot_s"] != engines[16]["tpot_s"]
+    assert prompts_first[63]["ttft_s"] < engines[63]["ttft_s"]

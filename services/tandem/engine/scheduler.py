@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from tandem.common.config import EngineRole, SchedulerConfig
 from tandem.common.sampling_params import FinishReason
+from tandem.engine import batching
 from tandem.engine.kv_cache.kv_manager import KVCacheManager, blocks_needed
 from tandem.engine.sequence import Sequence, SequenceStatus
 
@@ -152,26 +153,25 @@ class Scheduler:
         """
         drafts = drafts or {}
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        budget = batching.StepBudget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         done: set[str] = set()
-        # Decodes (one token) first so a long prefill chunk never starves them.
-        for seq in sorted(self.running, key=lambda s: s.num_uncomputed_tokens > 1):
-            if budget == 0:
+        for seq in batching.running_order(self.running, lambda s: s.num_uncomputed_tokens):
+            if budget.left == 0:
                 break
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(seq.num_uncomputed_tokens, budget)
-            draft = list(drafts.get(seq.seq_id, ()))[:budget - 1] if n == 1 else []
+            n = budget.share(seq.num_uncomputed_tokens)
+            draft = list(drafts.get(seq.seq_id, ()))[:budget.left - 1] if n == 1 else []
             if draft and self.kv.allocate(seq, 1 + len(draft)):
                 out.scheduled.append(ScheduledSeq(seq, 1, draft))
                 done.add(seq.seq_id)
-                budget -= 1 + len(draft)
+                budget.spend(1 + len(draft))
             elif self._allocate_or_preempt(seq, n, done, out):
                 out.scheduled.append(ScheduledSeq(seq, n))
                 if seq.num_uncomputed_tokens > 1:
                     out.num_prompt_tokens += n
                 done.add(seq.seq_id)
-                budget -= n
+                budget.spend(n)
         if not out.preempted:
             self._admit_waiting(out, budget)
         return out
@@ -202,15 +202,15 @@ class Scheduler:
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _admit_waiting(self, out: SchedulerOutput, budget: batching.StepBudget) -> None:
+        while self.waiting and budget.admits(len(self.running)):
             seq = self.waiting[0]
             cached = self.kv.match_prefix(seq)
             n = seq.num_uncomputed_tokens
-            if n > budget and not self.config.enable_chunked_prefill:
+            if n > budget.left and not self.config.enable_chunked_prefill:
                 self.kv.free(seq)
                 break
-            n = min(n, budget)
+            n = budget.share(n)
             if not self.kv.allocate(seq, n):
                 self.kv.free(seq)
                 break
@@ -222,7 +222,7 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, n))
             if seq.num_uncomputed_tokens > 1:
                 out.num_prompt_tokens += n
-            budget -= n
+            budget.spend(n)
 
     def on_step_done(self, out: SchedulerOutput) -> None:
         """Advance cursors of the sequences just computed and publish their full blocks."""

@@ -1,5 +1,5 @@
 """One simulated worker of ``tandem plan``'s simulation (``plan_sim``): its queues, its
-continuous batching as ``tandem.engine.scheduler`` schedules steps, its step in progress
+continuous batching by the engine's own rule (``tandem.engine.batching``), its step in progress
 and its load as the router sees it."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from tandem.planner.cpu_share import Job
 from tandem.planner.perf_model import StepModel, attention_pairs
+from tandem.engine import batching
 from tandem.engine.prefill_rate import PrefillRate
 from tandem.router.load import WorkerLoad, blocks_for
 
@@ -90,21 +91,24 @@ class SimWorker:
     def start_step(self, threads: int = 1, burst: bool = False) -> bool:
         """Schedule a step on ``threads`` as the engine's scheduler would, at ``burst_steps``'
         cost with ``burst``; False when there is nothing to do."""
-        budget = self.engine.max_num_batched_tokens
-        decodes = [s for s in self.running if s.prefill_left == 0][:budget]
-        budget -= len(decodes)
+        budget = batching.StepBudget(self.engine.max_num_batched_tokens, self.engine.max_num_seqs)
+        decodes: list[SimSeq] = []
         chunks: list[tuple[SimSeq, int]] = []
-        for s in self.running:
-            if s.prefill_left > 0 and budget > 0:
-                n = min(s.prefill_left, budget)
+        for s in batching.running_order(self.running, lambda s: s.prefill_left or 1):
+            if budget.left == 0:
+                break
+            n = budget.share(s.prefill_left or 1)
+            if s.prefill_left == 0:
+                decodes.append(s)
+            else:
                 chunks.append((s, n))
-                budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.engine.max_num_seqs:
+            budget.spend(n)
+        while self.waiting and budget.admits(len(self.running)):
             s = self.waiting.popleft()
             self.running.append(s)
-            n = min(s.prefill_left, budget)
+            n = budget.share(s.prefill_left)
             chunks.append((s, n))
-            budget -= n
+            budget.spend(n)
         if not decodes and not chunks:
             return False
         self.step = (decodes, chunks)
