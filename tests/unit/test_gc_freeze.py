@@ -1,4 +1,4 @@
-"""A process that holds one engine for its life freezes its start-up heap (engine/heap.py)."""
+"""A process that holds one engine for its life freezes its start-up heap (engine/gc_freeze.py)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 _SCRIPT = """
 import gc, ray
-from tandem.engine import heap
-frozen = heap.freeze()
+from tandem.engine import gc_freeze
+frozen = gc_freeze.freeze()
 assert frozen > 1000 and gc.get_freeze_count() == frozen, frozen
 a, b = [], []
 a.append(b), b.append(a)  # a cycle made after the freeze is still collected
 del a, b
 assert gc.collect() >= 2
-assert not heap.in_actor_process() and not ray.is_initialized()  # asking does not start Ray
+assert not gc_freeze.in_actor_process() and not ray.is_initialized()  # asking does not start Ray
 print("ok")
 """
 
