@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Guard the wire schemas in protos/ (DESIGN.md §4, issue 3 item 8):
+# Guard the wire schemas in protos/ (services/ARCHITECTURE.md, "KV protocol"):
 #   1. the generated Python code in services/tandem/protocol/gen/ matches what grpcio-tools
 #      makes from the .proto files now (regenerated into a temp dir and diffed);
 #   2. `buf lint` (STANDARD rules) is clean;

@@ -1,4 +1,4 @@
-"""Writes the Grafana dashboards of deploy/grafana/dashboards/ (DESIGN.md §6).
+"""Writes the Grafana dashboards of deploy/grafana/dashboards/ (services/ARCHITECTURE.md, "Metrics").
 
 The JSON files are generated, not hand-edited: change this file, then run
 

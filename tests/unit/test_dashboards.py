@@ -1,4 +1,5 @@
-"""DESIGN.md §6: the Grafana dashboards and the Prometheus rules are checked against the code.
+"""The Grafana dashboards and the Prometheus rules, checked against the code
+(services/ARCHITECTURE.md, "Metrics").
 
 - every dashboard validates against tests/schemas/grafana-dashboard.schema.json (nulls
   stripped, each panel checked as `Panel` or `RowPanel` by its type, rows' panels included);

@@ -1,4 +1,4 @@
-"""DESIGN.md §6: Prometheus's own checks of deploy/prometheus/ with promtool.
+"""Prometheus's own checks of deploy/prometheus/ with promtool (services/ARCHITECTURE.md, "Metrics").
 
 `promtool check rules` and `promtool test rules` on the alert and recording rules,
 `promtool check config` on the local scrape configuration (its rule files included), and

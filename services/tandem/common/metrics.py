@@ -1,4 +1,4 @@
-"""Prometheus metric definitions (DESIGN.md §6): one place names every family.
+"""Prometheus metric definitions (services/ARCHITECTURE.md, "Metrics"): one place names every family.
 
 The gateway process owns the request-level families; each worker owns its
 engine and transfer families in its own registry, labelled ``role`` and

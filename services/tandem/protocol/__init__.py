@@ -1,4 +1,4 @@
-"""Layer 1: wire messages between gateway, router and workers (DESIGN.md §2, §4).
+"""Layer 1: wire messages between gateway, router and workers (services/ARCHITECTURE.md, "Layers" and "KV protocol").
 
 - ``messages``: the KV transfer protocol (compatibility descriptor, transfer
   descriptor, per-payload header, status, result), serialized through the code

@@ -1,4 +1,4 @@
-"""Wire messages of the KV transfer protocol (DESIGN.md §4).
+"""Wire messages of the KV transfer protocol (services/ARCHITECTURE.md, "KV protocol").
 
 The schemas live in ``protos/tandem/v1/kv_transfer.proto``; these frozen
 dataclasses are the Python face of them. Every ``to_bytes()`` / ``from_bytes()``

@@ -1,4 +1,5 @@
-"""Request-path messages between gateway, router and workers (DESIGN.md §1).
+"""Request-path messages between gateway, router and workers (services/ARCHITECTURE.md,
+"The request's path").
 
 Plain frozen dataclasses (Ray pickles them; no schema needed): the router
 sends a :class:`PrefillRequest` to P and a :class:`DecodeRequest` to D; P

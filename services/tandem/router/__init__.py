@@ -1,4 +1,5 @@
-"""Request placement (DESIGN.md §1, §2 layer 5): decode worker first, then prefill worker.
+"""Request placement: decode worker first, then prefill worker (services/ARCHITECTURE.md,
+"The request's path" and "Layers").
 
 Pure Python, no I/O: written against the :class:`WorkerHandle` protocol, which
 the cluster layer implements over Ray actor handles and tests implement with fakes.
