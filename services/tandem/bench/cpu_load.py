@@ -120,8 +120,8 @@ class BackgroundSampler:
         if self._last is not None:
             # signed: /proc/stat and a process's own counters tick apart, so one interval can
             # credit our CPU to others and the next take it back; clamping each interval at 0
-            # would keep the first and drop the second (a bias of ~0.1-0.35 cores measured
-            # beside one busy thread of ours). Only the mean is clamped (``stop``).
+            # would keep the first and drop the second (a bias that shows even beside one
+            # busy thread of ours). Only the mean is clamped (``stop``).
             dt, others = now - self._last[0], busy - self._last[1] - ours
             if dt > 0:
                 self.samples.append(others / dt)

@@ -2,8 +2,8 @@
 
 ``tandem bench offline --vllm-python PATH`` measures tandem's engine and vLLM's
 ``LLM`` alternately (A B A B ...). Each side is a long-lived subprocess that loads its
-engine once and then runs one measurement per request, so loading (a minute for vLLM
-on two cores) is paid once while the measured runs alternate. The side runs under any
+engine once and then runs one measurement per request, so loading (slow for vLLM on a
+few cores) is paid once while the measured runs alternate. The side runs under any
 Python (vLLM lives in its own virtual environment), so this module is standard
 library only.
 

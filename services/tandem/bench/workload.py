@@ -102,9 +102,9 @@ def _cls(name: str, weight: float, inp: str, out: str) -> RequestClass:
 
 
 # Sized for the `bench` checkpoint on a 2-core machine (1 thread per worker, 2 workers):
-# a rate step takes 15-40 s, so a compare of two systems fits in ~5 minutes. The SLOs are
-# a few times the unloaded latencies there (interference: a 1024-token prefill takes
-# ~0.75 s on one thread, a decode step ~25 ms); scale them with --slo-* elsewhere.
+# rate steps short enough that a compare of two systems takes minutes, not hours. The SLOs
+# are a few times the unloaded latencies there (interference: a 1024-token prefill and a
+# decode step on one thread); scale them with --slo-* elsewhere.
 PRESETS: dict[str, Preset] = {
     "chat": Preset(
         "chat", "chat-like mix: mostly short turns, some with a long context; medium replies",

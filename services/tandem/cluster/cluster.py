@@ -31,8 +31,9 @@ from tandem.transfer.placement import pair_transports
 
 log = logging.getLogger(__name__)
 # How often the gateway polls each worker's load. The router's in-flight ledger covers what a
-# snapshot does not show yet; each poll costs ~4 ms of CPU across gateway, worker and Ray (at
-# 0.05 s an idle 1P+1D cluster spent 0.16 of a core on polling).
+# snapshot does not show yet; each poll costs CPU across gateway, worker and Ray, which a
+# shorter interval turns into a noticeable share of a core on an idle cluster
+# (services/RESULTS.md).
 LOAD_REFRESH_S = 0.2
 REBUILD_WAIT_S = 60.0  # the longest a request or re-drive waits for the pools to heal
 

@@ -180,7 +180,7 @@ class RayDecode(RayWorker):
 def _quiet(method, **options):
     """An actor method called without Ray task events: the GCS keeps a record of every
     task (up to 100,000), which for load polls and per-request calls is memory growing
-    with uptime and traffic (11 MiB a minute of polling alone) and nothing reads."""
+    with uptime and traffic (the load polls alone keep it growing) and nothing reads."""
     return method.options(enable_task_events=False, **options)
 
 

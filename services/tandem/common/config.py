@@ -164,9 +164,9 @@ class SpeculativeConfig:
     adaptive: bool = field(default=True, metadata={
         "flag": "--speculative-adaptive", "keyword": "speculative_adaptive",
         "help": "draft length per sequence from its acceptance rate"})
-    # Measured with `tandem bench spec` (bench preset, CPU): verifying 4 drafts made a
-    # decode step 1.5-1.7x as long at batch 1-4 (0.13-0.17 per position), 2.0x at 8
-    # and 2.7x at 16, where speculation only pays above ~70% acceptance.
+    # From `tandem bench spec` (bench preset, CPU): verifying drafts lengthens a decode
+    # step by about this much per position at small batches and by more at larger ones,
+    # where speculation pays only at a high acceptance rate (hence max_batch_size).
     verify_cost: float = field(default=0.15, metadata={
         "flag": "--speculative-verify-cost", "keyword": "speculative_verify_cost",
         "help": "cost of one verified position relative to a decode step"})

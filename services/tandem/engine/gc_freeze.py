@@ -1,9 +1,9 @@
 """The cyclic garbage collector in a process that keeps one engine for its whole life.
 
-A full collection traverses every tracked object: after start-up that is ~300,000 of
-them (torch, the model's modules, Ray), and full collections come every few thousand
-allocations' worth of steps. On the bench preset's batch-1 decode that was 3.8% of the
-engine thread's time (perf samples in ``gc_collect_main`` and its visitors). Frozen,
+A full collection traverses every tracked object: after start-up that is hundreds of
+thousands of them (torch, the model's modules, Ray), and full collections come every few
+thousand allocations' worth of steps, a visible share of a small model's batch-1 decode
+(perf samples in ``gc_collect_main`` and its visitors; services/RESULTS.md). Frozen,
 those objects are skipped; collections then look only at what the steps allocate.
 
 Only for processes that hold their engine to the end (worker actors, a benchmark's

@@ -5,8 +5,9 @@ glibc serves blocks above its mmap threshold from fresh mappings and hands the f
 of its heap back to the kernel once it exceeds the trim threshold; both thresholds move
 at run time, and where they land decides whether the next step writes into memory the
 process already has or takes a page fault for every 4 KB it touches (the kernel zeroing
-each page, inside the parallel kernels, while the other threads wait). A bench-preset
-prefill of 64 prompts of 128 tokens took ~310,000 page faults that way, every step alike.
+each page, inside the parallel kernels, while the other threads wait): a prefill
+step can take a page fault for every page of its working memory that way, every step
+alike (services/RESULTS.md).
 
 ``keep_freed_memory`` pins both thresholds: blocks up to glibc's 32 MiB cap come from the
 heap, and up to a step's working memory stays there once freed. Larger blocks (a big

@@ -2,9 +2,8 @@
 
 A batch-1 decode step reads every weight once. On 4 KB pages a 160 MB model spans
 40,000 pages, many times what the TLB holds, so the stream takes a page walk every
-4 KB; on 2 MB pages it takes one every 2 MB. On an AMD EPYC (2 cores) the products of
-a bench-preset step ran 1.39x faster that way (36 -> 51 GB/s, interleaved in one
-process), and a plain streaming read 1.2x (45 -> 54 GB/s).
+4 KB; on 2 MB pages it takes one every 2 MB. A step's products, and a plain streaming
+read, run faster that way (services/RESULTS.md).
 
 Linux backs memory with huge pages where a mapping asks for them (``madvise``
 mode, the common default) or always (``always`` mode); torch's allocator does not

@@ -7,8 +7,8 @@ Greedy rows (``temperature == 0``) take the argmax of the penalised logits and
 consume no randomness. A random row draws one uniform ``u`` and takes the token
 where ``u`` falls in its cumulative distribution (float64 sums, vocabulary order;
 a token of probability 0 has an empty interval and is never drawn): one number
-per row, where drawing a noise value per vocabulary entry cost ~0.7 ms a row
-over 32,000 tokens on a CPU. A seeded row's ``u`` for output token ``i`` is a
+per row, where drawing a noise value per vocabulary entry was slow on a CPU over a
+large vocabulary (services/RESULTS.md). A seeded row's ``u`` for output token ``i`` is a
 hash of ``(seed, i)`` alone (see :func:`noise_key`): the draw depends on nothing
 else that shares the batch or on what ran before, so the same request gives the
 same tokens on one engine, across a prefill -> decode hand-off, after preemption
@@ -185,7 +185,7 @@ class Sampler:
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """``x [B, V]`` -> ``[B]`` long: each row's first maximum (first NaN), as
         ``x.argmax(dim=-1)``; natively over contiguous fp32 CPU rows (torch's CPU argmax
-        runs on one thread, element by element: a few ms a step over a large vocabulary)."""
+        runs on one thread, element by element: slow over a large vocabulary)."""
         if self.kernels is not None and x.device.type == "cpu" and x.dtype == torch.float32 \
                 and x.dim() == 2 and x.shape[1] > 0 and x.is_contiguous():
             return self.kernels.argmax(x)

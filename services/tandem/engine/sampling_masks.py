@@ -1,7 +1,7 @@
 """Top-k, top-p and min-p masks over a step's temperature-scaled logits.
 
 Top-k and top-p are decided in the rows' stable descending order (ties by
-token id). A full sort of a 32,000-token row costs ~1.3 ms on a CPU, so the
+token id). A full sort of a vocabulary-wide row is costly on a CPU, so the
 decision is first made among a few candidates of each row, a prefix of that
 order: on CPU the tokens above a floor the native kernel places per row without
 sorting it (``csrc/top_candidates.c``: enough tokens for the row's top-k, or

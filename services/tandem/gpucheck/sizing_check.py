@@ -6,7 +6,7 @@ process holds in torch's allocator (weights, KV, a step's working memory). The
 check starts one in a child process and judges what the device's use grew by
 from before the engine to after it started and prefilled a long prompt. The
 check's own process stays on the device meanwhile: its earlier sections leave
-memory outside torch's allocator (2-3 GiB on an H200) that no worker would hold.
+memory outside torch's allocator (GiBs of it) that no worker would hold.
 ``python -m tandem.gpucheck.sizing_check CHECKPOINT DTYPE ATTENTION``
 prints the child's figures as one JSON line.
 """

@@ -19,7 +19,7 @@ import torch
 from tandem.gpucheck.context import CheckContext
 from tandem.gpucheck.report import Result, Status
 
-SLEEP_CYCLES = 200_000_000  # ~0.1 s at H200 clocks
+SLEEP_CYCLES = 200_000_000  # GPU clock cycles: long enough that unordered work overtakes the spin
 
 
 def check_streams(ctx: CheckContext) -> list[Result]:

@@ -48,9 +48,9 @@ What it models, and from where:
 Not modelled: preemption (KV blocks are assumed to suffice), prefix-cache hits, the
 network between gateway and workers, the request path's per-request and per-prompt-token
 CPU (folded into the per-token one), scheduling delays of the path's threads beyond
-their CPU share (under load its latency grows: ~14 ms at rest, 50-100 ms more TTFT than
-simulated on chat at 2 req/s with three workers on two cores), threads waiting for each
-other's GIL.
+their CPU share (under load its latency grows past its latency at rest, so measured TTFT
+runs above the simulated one on oversubscribed cores; services/RESULTS.md), threads
+waiting for each other's GIL.
 """
 
 from __future__ import annotations

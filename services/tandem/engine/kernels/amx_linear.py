@@ -11,11 +11,10 @@ An MLP's gate|up product can end in its SiLU·mul (``gate_up_silu``), the produc
 written out, and a whole MLP run in one call (``mlp``: the SiLU·mul kept in bf16 as the down
 product's input). An LM head is packed here whatever the layers' layout and returns its fp32 sums
 unrounded (``onednn.head_layout``); a tied one is stored once, the embedding lookup reading
-its rows from the packed weight (``AmxEmbedding``). Over SmolLM2-135M's shapes on 2 threads
-of an Intel Xeon with AMX it was 1.0-1.8x oneDNN's blocked bf16 product with its input and
-output conversions at 256-1,024 rows (gate|up at 1,024 rows level with it) and 1.75-2.6x at
-32, and has since gained 1.13-1.18x, gate|up with its SiLU·mul 1.18-1.7x
-(services/RESULTS.md).
+its rows from the packed weight (``AmxEmbedding``). It runs at least level with oneDNN's
+blocked bf16 product with its input and output conversions on prompts and well ahead of
+it on decode-sized inputs (services/RESULTS.md, "bf16 linears on AMX tiles" and "bf16
+prompts on AMX").
 """
 
 from __future__ import annotations

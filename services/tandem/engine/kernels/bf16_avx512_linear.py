@@ -7,9 +7,9 @@ an LM head tied to its embedding table is looked up there as on AMX
 added) to bf16, as the AMX kernel and oneDNN round them, and sums every output over the
 inputs in one order whatever the batch: a row's result does not depend on its batch,
 where oneDNN's bf16 sums can. Two kernels compute those sums, one per CPU maker: AMD's
-(Zen 4+) on ``vdpbf16ps`` (on a Zen 4, oneDNN's ``vdpbf16ps`` prompts ran 1.45-1.6x as
-fast as fp32); Intel's on fp32 FMAs over weights widened in registers, since ``vdpbf16ps``
-ran at half the FMAs' rate on the Intel Xeon measured (the same bits, but for denormals,
+(Zen 4+) on ``vdpbf16ps`` (on a Zen 4, oneDNN's ``vdpbf16ps`` prompts ran faster than
+fp32); Intel's on fp32 FMAs over weights widened in registers, since ``vdpbf16ps``
+ran slower than the FMAs on the Intel Xeon measured (the same bits, but for denormals,
 which ``vdpbf16ps`` flushes; both in services/RESULTS.md).
 ``TANDEM_BF16_AVX512_KERNEL=dot`` or ``fma`` picks one whatever the maker (every process
 of a cluster must see the same). The MLP runs as two products with the SiLU·mul between

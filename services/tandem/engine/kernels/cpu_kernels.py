@@ -296,11 +296,10 @@ def _check_dense_heads(*tensors: torch.Tensor) -> None:
 def head_splits(num_rows: int, kv_heads: int) -> int:
     """Pieces each row's kv heads are split into for decode attention. A whole row per task
     reads each K/V block front to back; a task of some of a row's heads reads a slice of
-    every key, and on an AMD EPYC (Zen 2, 2 threads) one thread reading whole rows beat
-    two or three threads reading slices of them: decode steps 1.01-1.14x as fast at one
-    row, 1.05-1.42x at 2-6 rows (128-3,000 tokens, SmolLM2 and the bench preset, the
-    policies alternating step by step). So heads are split only where whole rows would
-    leave most threads idle (fewer rows than half the threads), into the fewest pieces
+    every key, and one thread reading whole rows beat two or three threads reading slices
+    of them, at one row and at a few (services/RESULTS.md). So heads are split only where
+    whole rows would leave most threads idle (fewer rows than half the threads), into the
+    fewest pieces
     that give each thread a task. (A long row's keys are split too, in chunks the kernel
     chooses from the row's length alone: see KEY_CHUNK in ``csrc/paged_decode.c``.)"""
     return _head_splits(num_rows, kv_heads, torch.get_num_threads())

@@ -33,7 +33,7 @@ def _cpu_id() -> str:
 
 def build(compiler: str) -> Path:
     """The shared library of ``csrc/`` for this compiler and CPU: built once into the
-    cache (about 10 s on two cores), then found there."""
+    cache (a compile of every source, too slow to repeat per process), then found there."""
     digest = hashlib.sha256(" ".join([compiler, *FLAGS, _cpu_id()]).encode())
     for name in SOURCES + HEADERS:
         digest.update((CSRC / name).read_bytes())

@@ -3,17 +3,16 @@
 Each weight is stored once, in one of three layouts (``--cpu-weight-layout``):
 
 - **packed** (the default for fp32): panels of 32 output channels, K-major, for the
-  native kernel of ``packed_linear.py``, which runs every row count. Over SmolLM2-135M's
-  layers on 2 threads of an Intel Xeon with AMX it matches oneDNN's blocked layout on
-  prompts (within the noise at 256-1,024 rows) and beats it on decode steps (engine
-  steps at batch 1 / 16 / 32: 24.5-25.2 / 51-70 / 76-103 ms against 35-44 / 70-85 /
-  93-100), and C can read it, so a decode step of any batch runs all its layers in one
+  native kernel of ``packed_linear.py``, which runs every row count. It keeps up with
+  oneDNN's blocked layout on prompts and beats it on decode steps, which stream the
+  weights (services/RESULTS.md, "one packed layout for every fp32 step"), and C can read
+  it, so a decode step of any batch runs all its layers in one
   native call (``decode_stack.py``). bf16 weights asked to be packed take the AMX layout
   where the CPU has AMX-BF16 (``amx_linear.py``: 16 x 32 blocks for the tile products,
-  every row count, 1.0-2.6x the blocked layout's bf16 products with their conversions),
+  every row count, faster than the blocked layout's bf16 products with their conversions),
   the same blocks on AVX-512 where it has AVX-512 BF16 without AMX (``BF16_AVX512``:
-  ``bf16_avx512_linear.py``, every row count, batch-invariant; on an Intel Xeon limited
-  to it, batch-1 decode steps 2x oneDNN's), blocked elsewhere; all weights take blocked on
+  ``bf16_avx512_linear.py``, every row count, batch-invariant; faster than oneDNN's bf16
+  products on decode steps), blocked elsewhere; all weights take blocked on
   CPUs without AVX-512 or AVX2 + FMA, or without the native kernels.
 - **blocked**: oneDNN's ``_linear_pointwise`` on a weight reordered once into its blocked
   layout (``_reorder_linear_weight``, an opaque tensor): in bf16 it runs on AMX tiles.

@@ -119,9 +119,9 @@ def check_ids(ids: torch.Tensor, num_embeddings: int) -> None:
 class PackedEmbedding(nn.Module):
     """An embedding table read from a packed weight ``[ceil(V / 32), K, 32]`` (a tied LM
     head's): row ``n`` is column ``n % 32`` of panel ``n // 32``. A lookup gathers K floats
-    32 apart, a cache line each: 9.8 ms for a 4,096-token prompt of SmolLM2-135M on two
-    cores (1.3 ms from a plain table), against a head product 1.1-1.7x as fast as on the
-    plain table at 1-256 rows (services/RESULTS.md)."""
+    32 apart, a cache line each: slower than from a plain table on a long prompt, but the
+    head product it saves a second copy for runs faster on the packed weight than on the
+    plain table at decode and prompt sizes (services/RESULTS.md)."""
 
     def __init__(self, packed: torch.Tensor, num_embeddings: int) -> None:
         super().__init__()

@@ -101,8 +101,9 @@ class TorchPagedAttention:
 
     With ``amx_prompts`` (default: the CPU has AMX bf16 tiles), prompt groups over a bf16
     cache run their products in bf16 on AMX: the native AMX kernel where it is loaded
-    (reading blocks in place; 1.2-1.6x torch's bf16 SDPA over gathered blocks, 1.8-2.2x the
-    native fp32 math, on prompts of 256-4,096 tokens); without native kernels, one bf16
+    (reading blocks in place; faster on prompts than torch's bf16 SDPA over gathered blocks
+    and than the native fp32 math: services/RESULTS.md, "Prompt attention over a bf16 cache
+    on AMX"); without native kernels, one bf16
     SDPA (whose sums can follow the chunk). Every prompt group does, whatever its rows (a
     chunk of one row too): a prompt row's result must not depend on the chunk it fell in
     (the prefix cache's hits and the token budget cut chunks anywhere), and the bf16

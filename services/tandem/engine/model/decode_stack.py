@@ -1,10 +1,10 @@
 """Every decoder layer of a decode step in one native call (``csrc/decode_stack.c``).
 
 At small batches a CPU decode step is a chain of products bound by reading the weights;
-a Python forward adds ~0.4 ms of dispatch a layer around them (a third of SmolLM2-135M's
-batch-1 step on two threads). ``DecodeStack`` hands the whole chain to C, which calls
-the same kernels in the same order with the same roundings: the hidden states and the
-KV written are bit-identical to the Python path's.
+a Python forward adds the dispatch of many small ops to every layer around them, a large
+share of a small model's batch-1 step (services/RESULTS.md). ``DecodeStack`` hands the
+whole chain to C, which calls the same kernels in the same order with the same roundings:
+the hidden states and the KV written are bit-identical to the Python path's.
 
 It runs where every projection is a ``CpuLinear`` on a native kernel (packed fp32
 weights, the default, or bf16 weights packed for AMX or the AVX-512 bf16 kernels, for any number of rows; or plain

@@ -9,9 +9,9 @@ rounding. ``ModelRunner`` installs them with the Triton attention backend.
 
 Every launch turns floating-point contraction off (``NO_FMA``): with it on, the
 compiler fuses RoPE's ``x * cos`` into the following add as one FMA, which
-skips the product's rounding to the model dtype, and about one output in five
-differed from torch's (by up to a bf16 ulp of the terms, 289 ulps of a result
-that cancels to zero), in bf16 and fp16 alike, on an H200.
+skips the product's rounding to the model dtype, and many outputs differed from
+torch's (by up to a bf16 ulp of the terms, far more ulps of a result that cancels
+to zero), in bf16 and fp16 alike.
 
 Importing this module needs triton; ``TRITON_INTERPRET=1`` before that runs the
 kernels on CPU tensors, which is how the unit tests check them.

@@ -21,14 +21,14 @@ costs the running streams many short draft forwards instead of one long one. A s
 draft is still behind decodes without a draft meanwhile.
 
 Why not compute the draft's prompt KV on the prefill worker and ship it with the
-target's: measured on a 2-core CPU with a 6-of-30-layer draft of SmolLM2-135M
-(``tandem bench spec-placement``, README), moving the draft's KV over gloo takes
-20-43 ms for 128-2,048 tokens against 0.1-4.8 s to compute it; but shipping only
+target's: moving the draft's KV over gloo is cheap next to computing it
+(``tandem bench spec-placement``; figures in README, "Where the draft's prompt KV
+comes from"), but shipping only
 moves that computation to the prefill worker, in front of token #1 (TTFT), and
 where both workers share the same cores it costs the same CPU either way. Here
-it is spread over the decode worker's steps instead: with 4 streams decoding when
-a 2,048-token prompt arrived, their worst step was 1.3 s with 64-token chunks
-against a 5.5 s stall unbounded.
+it is spread over the decode worker's steps instead: the streams already decoding
+when a long prompt arrives see a bounded worst step with chunked catch-up, where an
+unbounded catch-up stalls them for the whole draft prefill.
 """
 
 from __future__ import annotations

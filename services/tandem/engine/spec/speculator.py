@@ -7,7 +7,7 @@ is tracked as an exponential moving average. Drafting ``k`` tokens commits
 ratio (0: do not draft). ``c`` is ``verify_cost`` up to ``_COST_KNEE`` decoding
 sequences and grows in proportion to the batch beyond: a step stops being bound
 by reading the weights once the batch is large, so every extra position costs
-more (measured: 0.13-0.17 at batch 1-4, 0.25 at 8, 0.41 at 16). A proposer that
+more (``tandem bench spec`` measures the cost per batch size). A proposer that
 runs a model adds its own ``draft_cost`` per drafted token (a draft model: the
 share of the target's weights it reads; prompt lookup: 0). A sequence with no history drafts one
 token to measure itself; one that stops drafting drifts back towards the prior

@@ -1,7 +1,8 @@
 /* Row-wise argmax of fp32 logits on CPU, as torch's argmax picks it: the first maximal
  * value, or the first NaN where a row has one. torch's CPU argmax compares element by
- * element on one thread (~4.4 ms for 32 x 49,152 here); this takes the row's maximum
- * vectorized, then finds its first occurrence, rows split over OpenMP threads.
+ * element on one thread (slow over a step's rows of a large vocabulary: services/RESULTS.md);
+ * this takes the row's maximum vectorized, then finds its first occurrence, rows split
+ * over OpenMP threads.
  *
  *   x   [rows, cols] fp32 contiguous, cols >= 1
  *   out [rows] int64

@@ -9,9 +9,10 @@
  * Two kernels read it, each output one fp32 sum over the pairs in order, per pair the odd
  * input's product added first, then the even one's:
  *   - tandem_bf16_dot_linear: vdpbf16ps, a broadcast input pair times a weight vector
- *     (AMD: on a Zen 4, oneDNN's vdpbf16ps prompts ran 1.45-1.6x as fast as fp32);
+ *     (AMD: on a Zen 4, oneDNN's vdpbf16ps prompts ran faster than fp32);
  *   - tandem_bf16_fma_linear: fp32 FMAs on the weights widened in registers and x rounded
- *     to bf16 (Intel: vdpbf16ps ran at half the FMAs' rate on a Xeon). Products of bf16
+ *     to bf16 (Intel: vdpbf16ps ran slower than the FMAs on a Xeon; both in
+ *     services/RESULTS.md). Products of bf16
  *     values are exact in fp32, so these are vdpbf16ps's sums as Intel defines them (two
  *     RNE FMAs a pair, odd input first), but for denormals, which vdpbf16ps flushes.
  * A call copies x rounded to bf16 (pairs for the dot products, widened for the FMAs,

@@ -1,9 +1,10 @@
 /* A decode step through every decoder layer in one call, from its token ids.
  *
  * At small batches a step's products are bound by reading the weights; between them
- * a Python forward spends ~0.4 ms a layer dispatching small ops (SmolLM2-135M: ~14 ms
- * of a 39 ms step on two threads, whatever the batch). This chains the same kernels the Python path calls,
- * in the same order and with the same roundings, so every output bit is the same:
+ * a Python forward spends time on every layer dispatching small ops, a large share of a
+ * small model's step whatever the batch (services/RESULTS.md). This chains the same
+ * kernels the Python path calls, in the same order and with the same roundings, so
+ * every output bit is the same:
  *
  *   x = the token ids' rows of the embedding table (widened from bf16)
  *   per layer: x += delta; h = RMSNorm(x)            (tandem_add_rms_norm_f32)

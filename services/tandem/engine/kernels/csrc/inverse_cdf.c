@@ -2,10 +2,10 @@
  * torch (a float64 cumulative sum, then the first token whose sum exceeds u * total), bit
  * for bit: the sums run in the same order in double, and skipping zeros, which most of a
  * row is after top-k/top-p, changes nothing (x + 0.0 == x). torch's cumsum runs on one
- * thread and writes the whole [R, V] float64 table (2.1-2.5 ms for 32 x 49,152 on an AMD
- * EPYC Zen 2, 2 threads); this reads each row twice (its total, then up to the token),
- * skipping 16 zeros at a time, rows split over OpenMP threads: 0.33 / 0.90 / 1.25 ms with
- * 0.2 / 2 / 5% of the tokens kept, 1.24 ms with all of them.
+ * thread and writes the whole [R, V] float64 table; this reads each row twice (its total,
+ * then up to the token), skipping 16 zeros at a time, rows split over OpenMP threads, and
+ * never writes the table: faster than torch's with few tokens kept and with all of them
+ * (services/RESULTS.md).
  *
  *   probs [rows, vocab] fp32 contiguous, u [rows] float64 in [0, 1)
  *   out   [rows] int64: the token; -1 where the row's total is not finite and positive

@@ -11,17 +11,17 @@
  *   - a prompt of many rows runs at the core's FMA rate, like oneDNN's blocked layout.
  *     From PAIR_ROWS rows on, a second micro-kernel takes two adjacent panels (64
  *     channels) for MR2 = 6 rows: per k four panel loads and 6 broadcasts feed 24 FMAs
- *     (the 14 x 32 tile needs 16 loads for 28), 5-8% faster on 512-1,024-row prompts.
+ *     (the 14 x 32 tile needs 16 loads for 28): faster on long prompts.
  *     A decode step streams one panel at a time, as the hardware prefetcher likes it:
- *     tiles of fewer than PREFETCH_MIN_ROWS rows issue no software prefetch, which at 1-8
- *     rows only took load slots from the stream (1-12% faster without on an AMD EPYC,
- *     the product then reads at the rate of a plain streaming sum; two panels at once
- *     were slower still); tiles of more rows compute long enough per load that it helps.
+ *     tiles of fewer than PREFETCH_MIN_ROWS rows issue no software prefetch, which at
+ *     1-8 rows only took load slots from the stream (faster without, the product
+ *     then reading at the rate of a plain streaming sum; two panels at once were slower
+ *     still); tiles of more rows compute long enough per load that it helps.
  *   - AVX2: in blocks of NEXT_PANEL_MIN_ROWS rows and more, the tiles over one panel
  *     prefetch the next panel between them, a line every few k steps. Without it each
- *     panel's first pass waited on memory: a 2,816 x 512 weight read from memory took
- *     450 / 503 / 720 / 1,487 us at 4 / 8 / 16 / 64 rows, against 263 us at one row (2
- *     threads, AMD EPYC Zen 2); with it 266 / 302 / 358 / 1,106 us.
+ *     panel's first pass waited on memory, and a weight read from memory took far longer
+ *     at a few rows than at one; with it the time grows far less with the rows
+ *     (services/RESULTS.md).
  * Threads take contiguous runs of panels.
  *
  * Each output is one accumulator's FMA chain over k = 0 .. K-1, then + bias: the same

@@ -31,10 +31,9 @@
  * batch and on any number of threads. What the batch and the threads decide is only how
  * many of a row's chunks one task attends, one after another (about TASKS_PER_THREAD tasks
  * a thread): a lone long row's chunks stream on every thread, where one thread alone reads
- * them at about half the rate two do (AMD EPYC Zen 2, `tandem bench attention --rows 1`:
- * 1,024 / 4,096 / 8,192 keys 1.6 / 1.8 / 1.8x as fast on two threads), while a batch's
- * rows mostly go whole, each task reading its keys front to back (chunks of 256 a task
- * were 3-9% slower at 32 rows). */
+ * them markedly slower than two do (`tandem bench attention --rows 1`, services/RESULTS.md),
+ * while a batch's rows mostly go whole, each task reading its keys front to back (chunks
+ * of 256 a task were slower at 32 rows). */
 #define KEY_CHUNK 256
 #define TASKS_PER_THREAD 2
 

@@ -12,11 +12,11 @@
 /* Touch the lines of ``span`` elements at ``at`` in a block PREFETCH_BLOCKS ahead (the same
  * keys' slice), so a block is in cache when the loop reaches it: blocks lie anywhere in the
  * cache, and the hardware prefetcher stops at each page. Into L2 (prefetcht1), not L1: L1
- * has too few miss buffers to keep a block's lines in flight (1.3-1.5x faster over 4-64 rows
- * of 256-4,096 keys on an AMD EPYC, the same at one row of up to 1,024). Two blocks ahead,
- * with a task's first two blocks of K and V touched before it starts, rather than one: a
- * batch-1 step's attention, its K/V cold after the weights' stream, 40-49 -> 33-35 us a layer
- * of the bench preset (four blocks ahead were slower again). */
+ * has too few miss buffers to keep a block's lines in flight (faster over batches of rows,
+ * no slower at one short row). Two blocks ahead, with a task's first two blocks of K and V
+ * touched before it starts, rather than one: a batch-1 step's attention, its K/V cold after
+ * the weights' stream, ran faster per layer that way (four blocks ahead were slower again;
+ * services/RESULTS.md). */
 static inline void PREFETCH_SPAN(const KV_T *next, int64_t at, int64_t span) {
     if (next == NULL) return;
     const char *c = (const char *)(next + at);

@@ -1,7 +1,7 @@
 /* Causal paged attention for prompt chunks on CPU, reading K/V blocks in place (fp32 or
  * bf16 cache; queries, scores and outputs fp32). Written in prefill_vec.h's vectors of VL
- * lanes: 16 with AVX-512, 8 with AVX2 + FMA (1.4-1.9x torch's gather + SDPA on 256-4,096
- * token prompts, 2 threads of an AMD EPYC Zen 2: `tandem bench attention --prompt`).
+ * lanes: 16 with AVX-512, 8 with AVX2 + FMA (faster than torch's gather + SDPA on prompts:
+ * `tandem bench attention --prompt`, services/RESULTS.md).
  *
  * Sequence b has n[b] query rows at the flat token rows row0[b] .. row0[b] + n[b] - 1,
  * at positions pos0[b] .. pos0[b] + n[b] - 1; a query at position p attends the keys
