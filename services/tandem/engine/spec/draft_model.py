@@ -22,8 +22,8 @@ draft is still behind decodes without a draft meanwhile.
 
 Why not compute the draft's prompt KV on the prefill worker and ship it with the
 target's: moving the draft's KV over gloo is cheap next to computing it
-(``tandem bench spec-placement``; figures in README, "Where the draft's prompt KV
-comes from"), but shipping only
+(``tandem bench spec-placement``; figures in services/RESULTS.md, "Speculative
+decoding"), but shipping only
 moves that computation to the prefill worker, in front of token #1 (TTFT), and
 where both workers share the same cores it costs the same CPU either way. Here
 it is spread over the decode worker's steps instead: the streams already decoding
