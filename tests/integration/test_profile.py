@@ -41,6 +41,10 @@ def test_profile_measures_fits_and_round_trips(ray_session, tiny_model_dir, tmp_
     assert set(pts["colocated"]) == {"prefill"} and len(pts["colocated"]["prefill"]) == 2 * 4
     assert PrefillModel.from_json(prof["fit"]["colocated"]["prefill"])(256) > 0
     assert "burst" not in pts and "burst" not in prof["fit"]  # not asked for
+    # the progress bar's total: every point timed
+    timed = sum(len(pts[k]) for k in ("prefill", "decode", "mixed", "transfer")) + len(pts["colocated"]["prefill"])
+    assert profile_mod.planned_points(GRID, 2, decode_mixed=True, colocated_prefill=True, colocated_decode=False,
+                                      burst_local_prefill=None, transfer=True) == timed
 
 
 def test_each_kind_of_worker_is_timed_on_its_own_layout(ray_session, tiny_model_dir):
@@ -59,6 +63,11 @@ def test_each_kind_of_worker_is_timed_on_its_own_layout(ray_session, tiny_model_
     assert burst["threads"] == 2 and len(burst["prefill"]) == len(burst["local_prefill"]) == 3
     assert {p["batch"] for p in burst["decode"]} == {1, 2, 4}
     assert set(prof["fit"]["burst"]) == {"threads", "prefill", "decode", "local_prefill"}
+    timed = sum(len(pts[k]) for k in ("prefill", "decode", "mixed")) + \
+        sum(len(v) for v in pts["colocated"].values()) + len(burst["prefill"]) + len(burst["decode"]) + \
+        len(burst["local_prefill"])
+    assert profile_mod.planned_points(grid, 1, decode_mixed=False, colocated_prefill=True, colocated_decode=True,
+                                      burst_local_prefill=True, transfer=False) == timed
 
 
 @pytest.mark.parametrize("layout", ["plain", "blocked"])

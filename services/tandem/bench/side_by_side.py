@@ -7,15 +7,15 @@ both alike. A round gives both sides the same fresh prompts (same token ids and
 lengths, greedy, EOS ignored; no prefix caching on either side), so no run reuses what
 an earlier one cached. Only one side computes at a time: the other waits on its stdin.
 
-Why long-lived sides rather than a fresh process per run: vLLM takes one to two
-minutes to start on two cores, and the caches a fresh process would clear are the
-CPU's, which a run of several seconds over hundreds of MB of weights refills anyway.
+Why long-lived sides rather than a fresh process per run: vLLM is slow to start on a
+few cores, and the caches a fresh process would clear are the CPU's, which a run over
+hundreds of MB of weights refills anyway.
 
 Reported per workload: each side's runs (min / median / max) and the ratio of the
 medians, as "tandem's speed ÷ vLLM's" (> 1: tandem faster), for output tokens/s and
 for the time to first token of single long prompts. A round times each prompt length
 ``ttft_repeats`` times per side, alternating (A B B A ...), and keeps each side's best:
-one call of a second or less is the measure most at the mercy of a noisy neighbour.
+one short call is the measure most at the mercy of a noisy neighbour.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from typing import Any
 from tandem.bench.cpu_load import wait_until_idle
 from tandem.bench.side_protocol import Side, SideError
 from tandem.common.config import EngineConfig
+from tandem.engine.progress import bar, spinner
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LOAD_TIMEOUT_S = 1200.0
@@ -143,7 +144,8 @@ def run(plan: Plan, vllm_python: str, vocab: int, kv_cache_gb: float = 2.0,
         progress: Any = print) -> dict[str, Any]:
     """Load both sides, run one warm-up round and ``plan.runs`` measured rounds; the results."""
     log_dir = tempfile.mkdtemp(prefix="tandem-bench-sides-")
-    sides = start_sides(plan, vllm_python, kv_cache_gb, log_dir)
+    with spinner("offline: loading tandem and vLLM"):
+        sides = start_sides(plan, vllm_python, kv_cache_gb, log_dir)
     rng = random.Random(plan.seed)
     throughput = Series("throughput", "output tok/s")
     ttft = {n: Series(f"ttft_{n}", "1/s") for n in plan.ttft_lens}
@@ -151,18 +153,23 @@ def run(plan: Plan, vllm_python: str, vocab: int, kv_cache_gb: float = 2.0,
     agree = total = 0
     stopped: str | None = None
     settle = {name: 0.0 for name in sides}  # longest wait for a side to go idle after its call
+    calls = (plan.runs + 1) * len(sides) * (1 + len(plan.ttft_lens) * plan.ttft_repeats)
+    shown = bar(calls, desc="offline: rounds", unit="call")  # on a terminal only
 
     def measured(name: str, op: str, **fields: Any) -> dict[str, Any]:
-        # vLLM's engine keeps a core busy polling for about a second after each request:
+        # vLLM's engine keeps a core busy polling for a while after each request:
         # the other side waits for it, so neither is measured against the other's leftovers.
         for other, side in sides.items():
             if other != name:
                 settle[other] = max(settle[other], wait_until_idle(side.pid))
-        return sides[name].call(op, RUN_TIMEOUT_S, **fields)
+        reply = sides[name].call(op, RUN_TIMEOUT_S, **fields)
+        shown.update()
+        return reply
 
     try:
         for rnd in range(plan.runs + 1):  # round 0 warms both sides up and is not counted
             names = ["tandem", "vllm"] if rnd % 2 else ["vllm", "tandem"]
+            shown.set_postfix(f"round {rnd} of {plan.runs}" + (" (warm-up)" if not rnd else ""))
             prompts = _prompts(rng, plan.num_prompts, plan.input_len, vocab)
             long_prompts = {n: _prompts(rng, 1, n, vocab)[0] for n in plan.ttft_lens}
             tokens: dict[str, list[list[int]]] = {}
@@ -196,6 +203,7 @@ def run(plan: Plan, vllm_python: str, vocab: int, kv_cache_gb: float = 2.0,
                 agree += sum(a == b for a, b in zip(tokens["tandem"], tokens["vllm"]))
                 total += plan.num_prompts
     finally:
+        shown.close()
         for side in sides.values():
             side.close()
     return {"sides": {name: side.info for name, side in sides.items()}, "order": order,

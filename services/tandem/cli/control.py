@@ -18,6 +18,7 @@ import time
 
 from tandem.cluster.drain import DRAIN_TIMEOUT_S
 from tandem.cluster.scale import ADD_TIMEOUT_S
+from tandem.engine.progress import spinner
 
 ANSWER_MARGIN_S = 60.0  # beyond the drain timeout: exiting the actor, a group rebuild
 
@@ -87,7 +88,8 @@ def scale_main(args: argparse.Namespace) -> int:
             control.request("scale", target, {"workers": n, "timeout_s": args.timeout,
                                               "drain_timeout_s": args.drain_timeout})
             deadline = time.monotonic() + args.timeout + n * args.drain_timeout + ANSWER_MARGIN_S
-            outcomes |= control.wait_answers("scale", target, deadline)
+            with spinner(f"tandem scale: {role} pool to {n} worker(s)"):  # on a terminal only
+                outcomes |= control.wait_answers("scale", target, deadline)
     finally:
         runtime.stop()
     return _report(outcomes)
@@ -115,7 +117,9 @@ def drain_main(args: argparse.Namespace) -> int:
         print(f"tandem drain: draining {names} (up to {args.timeout:g}s)", file=sys.stderr,
               flush=True)
         control.request_drain(targets, args.timeout)
-        outcomes = control.wait_drained(targets, time.monotonic() + args.timeout + ANSWER_MARGIN_S)
+        with spinner("tandem drain: waiting for the gateway") as waiting:  # on a terminal only
+            outcomes = control.wait_drained(targets, time.monotonic() + args.timeout + ANSWER_MARGIN_S,
+                                            lambda done, total: waiting.set_postfix(f"{done} of {total} drained"))
     finally:
         runtime.stop()
     return _report(outcomes)

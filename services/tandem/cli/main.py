@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
         "truncate", help="the target's first N layers + final norm + LM head, as a model folder")
     truncate.add_argument("--model", default="default", help="target: a folder, .gguf, repo id or default")
     truncate.add_argument("--layers", type=int, default=6, metavar="N",
-                          help="decoder layers kept (default 6: no depth pays on CPU, see README)")
+                          help="decoder layers kept (default 6: no depth pays on CPU, see services/RESULTS.md)")
     truncate.add_argument("--out", default=None, help="folder to write (default: in the tandem cache)")
     truncate.set_defaults(func=_draft_truncate)
 

@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 log = logging.getLogger(__name__)
 NAMESPACE = "tandem"
@@ -177,16 +177,20 @@ def request_drain(targets: Iterable[tuple[str, str]], timeout_s: float) -> None:
 
 
 def wait_answers(kind: str, targets: Iterable[tuple[str, str]],
-                 deadline: float) -> dict[str, dict]:
+                 deadline: float, answered: Callable[[int, int], None] | None = None) -> dict[str, dict]:
     """``{subject: outcome}`` as the answers arrive, until ``deadline`` (monotonic);
-    a request without an answer by then reads ``{"error": "no answer ..."}``."""
+    a request without an answer by then reads ``{"error": "no answer ..."}``.
+    ``answered(done, total)``: called at each poll (a command's progress)."""
     pending, out = set(targets), {}
+    total = len(pending)
     while pending:
         for name, subject in sorted(pending):
             outcome = _get(_key(name, ANSWERS[kind], subject))
             if outcome is not None:
                 out[subject] = outcome
                 pending.discard((name, subject))
+        if answered is not None:
+            answered(len(out), total)
         if not pending or time.monotonic() >= deadline:
             break
         time.sleep(POLL_S)
@@ -196,8 +200,9 @@ def wait_answers(kind: str, targets: Iterable[tuple[str, str]],
     return out
 
 
-def wait_drained(targets: Iterable[tuple[str, str]], deadline: float) -> dict[str, dict]:
-    return wait_answers("drain", targets, deadline)
+def wait_drained(targets: Iterable[tuple[str, str]], deadline: float,
+                 answered: Callable[[int, int], None] | None = None) -> dict[str, dict]:
+    return wait_answers("drain", targets, deadline, answered)
 
 
 def gateway_names() -> list[str]:

@@ -62,7 +62,7 @@ def _download(repo_id: str) -> Path:
         raise ValueError(f"{repo_id!r} looks like a Hugging Face repo id, but huggingface_hub is "
                          "not installed (pip install huggingface_hub), or pass a local folder") from None
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS))
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS, tqdm_class=hub_progress_class()))
     except LocalEntryNotFoundError:
         raise ValueError(f"cannot fetch {repo_id!r}: the Hugging Face hub is unreachable (offline?) "
                          "and the model is not in the local hub cache; download it where there "
@@ -72,3 +72,20 @@ def _download(repo_id: str) -> Path:
         raise ValueError(f"cannot fetch {repo_id!r} from the Hugging Face hub"
                          + (f" (HTTP {status})" if status else "")
                          + ": check the repo id, and HF_TOKEN for gated or private repos") from None
+
+
+def hub_progress_class() -> type:
+    """huggingface_hub's progress bar class, drawn only where ``tandem.engine.progress``
+    draws bars (stderr a terminal); its own switches (``HF_HUB_DISABLE_PROGRESS_BARS``)
+    still apply. Its per-file bars pick the terminal on their own (tqdm's ``disable=None``)."""
+    from huggingface_hub.utils import tqdm as hub_tqdm
+
+    from tandem.engine.progress import enabled
+
+    class TerminalOnly(hub_tqdm):
+        def __init__(self, *args, **kwargs):
+            if not enabled():
+                kwargs["disable"] = True
+            super().__init__(*args, **kwargs)
+
+    return TerminalOnly

@@ -24,6 +24,7 @@ from tandem.bench import runinfo
 from tandem.bench import serve as serve_bench
 from tandem.bench.metrics_math import goodput_text
 from tandem.common.config import LOCAL_PREFILL_THRESHOLD, PREFILL_SATURATION_S
+from tandem.engine.progress import progress
 from tandem.planner.cpu_share import Hardware
 from tandem.planner.mix import Mix, all_mixes, helm_values
 from tandem.planner.prediction import burst_models, bursts_on, recommend, simulate
@@ -159,7 +160,9 @@ def main(args: argparse.Namespace) -> int:
     mixes = [Mix.parse(m) for m in args.mixes.split(",")] if args.mixes else all_mixes(max_workers)
     if "transfer" not in prof["fit"] and any(not m.colocated for m in mixes):
         raise ValueError("the profile has no KV transfer part (--skip-transfer): plan colocated mixes only")
-    results = [simulate(m, args, rates, wl.slo, prof, hw) for m in mixes]
+    quiet = getattr(args, "quiet", False)
+    results = [simulate(m, args, rates, wl.slo, prof, hw)
+               for m in progress(mixes, desc="tandem plan: mixes", unit="mix", disable=quiet)]  # a terminal's
     best = recommend(results, target_rate, wl.slo.attainment)
     slo = wl.slo.to_json()
     print(f"== plan: {wl.name}, {args.arrival} arrivals at {', '.join(f'{r:g}' for r in rates)} req/s, "

@@ -25,6 +25,7 @@ from tandem.bench.metrics_math import SLO, goodput, goodput_text, summarize
 from tandem.planner.mix import conditional_args
 from tandem.planner.perf_model import StepModel
 from tandem.planner.prediction import models, recommend, simulate
+from tandem.engine.progress import progress
 from tandem.bench.server_cpu import (TELEMETRY_WAIT_S, engine_counters, fit_per_step_and_token, idle_cores,
                                        path_cpu_s)
 from tandem.router.load import DECODE, PREFILL
@@ -116,7 +117,8 @@ def validate(args: argparse.Namespace, prof: dict[str, Any], mixes: list[Any], p
     extra = server_layout_args(prof) + list(args.server_arg) + \
         ([f"--prefill-nice={args.prefill_nice}"] if args.prefill_nice else [])
     measured, loaded, rows = [], [], []
-    for mix, pred in zip(mixes, predicted):
+    for mix, pred in progress(list(zip(mixes, predicted)), desc="tandem plan --validate: mixes", unit="mix",
+                              disable=getattr(args, "quiet", False)):
         load_before = runinfo.machine()["load_avg_at_start"]
         local = conditional_args(mix, args.local_prefill_threshold, args.prefill_saturation_s,
                                  defaults_too=True)

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.bench import runinfo
+from tandem.engine.progress import bar
 from tandem.planner.perf_model import DecodeModel, PrefillModel, StepModel, TransferModel, attention_pairs
 from tandem.planner.step_timer import StepTimer, grid_blocks
 from tandem.common.flags import add_config_flags
@@ -73,6 +74,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 LAYOUT_FIELDS = ("cpu_weight_layout", "prefill_weight_layout", "decode_weight_layout")
 
 
+def planned_points(grid: Grid, repeats: int, decode_mixed: bool, colocated_prefill: bool,
+                   colocated_decode: bool, burst_local_prefill: bool | None, transfer: bool) -> int:
+    """The points ``measure`` times (its progress bar's total): each grid run counts its
+    timed steps; ``burst_local_prefill`` None: no bursts, else whether the decode pool's
+    prompts are timed apart from the prefill pool's; transfer: one point per size."""
+    mixed = {(b, n): sizes for b, n, sizes in grid.mixed_setups}
+    prefill = repeats * (len(grid.prefill_tokens) + len(grid.prefill_batches))
+
+    def decode(with_mixed: bool) -> int:
+        return sum(repeats + (len(mixed.get(tuple(s), ())) if with_mixed else 0) for s in grid.decode_setups)
+
+    total = prefill + decode(decode_mixed)
+    total += prefill if colocated_prefill else 0
+    total += decode(True) if colocated_decode else 0
+    if burst_local_prefill is not None:
+        total += prefill * (2 if burst_local_prefill else 1) + decode(False)
+    return total + (len(grid.transfer_mb) if transfer else 0)
+
+
 def pool_layouts(cluster: ClusterConfig) -> dict[str, str]:
     """The CPU weight layout of each kind of worker, as the cluster gives them."""
     return {role: cluster.pool_layout(role) for role in ("prefill", "decode", "colocated")}
@@ -99,6 +119,9 @@ def measure(model: str, threads: int, prefill_nice: int, repeats: int, transfer:
                          list(grid.mixed_setups), repeats, CacheConfig().block_size,
                          SchedulerConfig().max_num_batched_tokens)
     actor_pids: list[int] = []
+    bursting = burst_threads > threads and not gpu
+    total = planned_points(grid, repeats, not colo_decode, colo_prefill, colo_decode,
+                           layouts["decode"] != layouts["prefill"] if bursting else None, transfer)
     sampler = BackgroundSampler(lambda: [os.getpid(), *actor_pids]).start()
     colocated: dict[str, list[dict]] = {}
 
@@ -109,64 +132,79 @@ def measure(model: str, threads: int, prefill_nice: int, repeats: int, transfer:
         return actor
 
     def prefill_grid(actor) -> list[dict]:
-        return ray.get(actor.prefill.remote(list(grid.prefill_tokens), list(grid.prefill_batches), repeats))
+        points: list[dict] = []
+        for k in range(repeats):  # one call per pass over the grid, warm-ups in the first: the bar moves
+            done = ray.get(actor.prefill.remote(list(grid.prefill_tokens), list(grid.prefill_batches), 1,
+                                                warmup=k == 0))
+            points += done
+            shown.update(len(done))
+        return points
 
     def decode_grid(actor, mixed: bool) -> tuple[list[dict], list[dict]]:
-        return ray.get(actor.decode.remote(list(grid.decode_setups), list(grid.mixed_setups) if mixed else [],
-                                           repeats))
+        points: list[dict] = []
+        mixed_points: list[dict] = []
+        for setup in grid.decode_setups:  # one call per setup (each starts and drains its own): the bar moves
+            done, done_mixed = ray.get(actor.decode.remote([setup], list(grid.mixed_setups) if mixed else [],
+                                                           repeats))
+            points += done
+            mixed_points += done_mixed
+            shown.update(len(done) + len(done_mixed))
+        return points, mixed_points
 
-    try:
-        progress(f"prefill steps ({threads} thread(s), niceness {prefill_nice}, {layouts['prefill']} weights)")
-        pre = start(prefill_nice, layouts["prefill"])
+    with bar(total, desc="tandem profile", unit="point") as shown:  # timed points, on a terminal only
         try:
-            limits = ray.get(pre.limits.remote())
-            prefill_points = prefill_grid(pre)
-        finally:
-            ray.kill(pre)
-        progress(f"decode {'' if colo_decode else 'and mixed '}steps ({layouts['decode']} weights)")
-        dec = start(0, layouts["decode"])
-        try:
-            decode_points, mixed_points = decode_grid(dec, mixed=not colo_decode)
-            if colo_prefill and not colo_decode:
-                progress(f"prefill steps of colocated workers ({colo} weights)")
-                colocated["prefill"] = prefill_grid(dec)
-        finally:
-            ray.kill(dec)
-        if colo_decode:
-            progress(f"decode and mixed steps of colocated workers ({colo} weights)")
-            both = start(0, colo)
+            progress(f"prefill steps ({threads} thread(s), niceness {prefill_nice}, {layouts['prefill']} weights)")
+            pre = start(prefill_nice, layouts["prefill"])
             try:
-                colocated["decode"], mixed_points = decode_grid(both, mixed=True)
-                if colo_prefill:
-                    colocated["prefill"] = prefill_grid(both)
+                limits = ray.get(pre.limits.remote())
+                prefill_points = prefill_grid(pre)
             finally:
-                ray.kill(both)
-        burst = burst_points(start, prefill_grid, decode_grid, layouts, prefill_nice, burst_threads, progress) \
-            if burst_threads > threads and not gpu else None
-    finally:
-        background = sampler.stop()
-    meta = runinfo.describe()
-    out: dict[str, Any] = {
-        "schema": SCHEMA, "meta": meta,
-        "hardware": {"cpu": meta["machine"]["cpu"], "cores": meta["machine"]["cpus_usable"] or os.cpu_count(),
-                     "device": limits.pop("device"), "gpu": limits.pop("gpu")},
-        "model": limits.pop("model"), "engine": limits,
-        "worker": {"threads_per_worker": threads, "prefill_nice": prefill_nice, "weight_layouts": layouts,
-                   "kind": f"gpu-{limits.get('dtype')}" if gpu else f"cpu-{threads}t"},
-        # mixed steps are a colocated worker's, on its layout
-        "points": {"prefill": prefill_points, "decode": decode_points, "mixed": mixed_points,
-                   "colocated": colocated, **({"burst": burst} if burst else {})},
-        # cores other processes used meanwhile: `tandem plan` scales the steps back to a quiet machine
-        "background": {"cores_mean": background, "samples": len(sampler.samples)},
-    }
-    if transfer:
-        from tandem.bench.transfer import bandwidth
+                ray.kill(pre)
+            progress(f"decode {'' if colo_decode else 'and mixed '}steps ({layouts['decode']} weights)")
+            dec = start(0, layouts["decode"])
+            try:
+                decode_points, mixed_points = decode_grid(dec, mixed=not colo_decode)
+                if colo_prefill and not colo_decode:
+                    progress(f"prefill steps of colocated workers ({colo} weights)")
+                    colocated["prefill"] = prefill_grid(dec)
+            finally:
+                ray.kill(dec)
+            if colo_decode:
+                progress(f"decode and mixed steps of colocated workers ({colo} weights)")
+                both = start(0, colo)
+                try:
+                    colocated["decode"], mixed_points = decode_grid(both, mixed=True)
+                    if colo_prefill:
+                        colocated["prefill"] = prefill_grid(both)
+                finally:
+                    ray.kill(both)
+            burst = burst_points(start, prefill_grid, decode_grid, layouts, prefill_nice, burst_threads, progress) \
+                if bursting else None
+        finally:
+            background = sampler.stop()
+        meta = runinfo.describe()
+        out: dict[str, Any] = {
+            "schema": SCHEMA, "meta": meta,
+            "hardware": {"cpu": meta["machine"]["cpu"], "cores": meta["machine"]["cpus_usable"] or os.cpu_count(),
+                         "device": limits.pop("device"), "gpu": limits.pop("gpu")},
+            "model": limits.pop("model"), "engine": limits,
+            "worker": {"threads_per_worker": threads, "prefill_nice": prefill_nice, "weight_layouts": layouts,
+                       "kind": f"gpu-{limits.get('dtype')}" if gpu else f"cpu-{threads}t"},
+            # mixed steps are a colocated worker's, on its layout
+            "points": {"prefill": prefill_points, "decode": decode_points, "mixed": mixed_points,
+                       "colocated": colocated, **({"burst": burst} if burst else {})},
+            # cores other processes used meanwhile: `tandem plan` scales the steps back to a quiet machine
+            "background": {"cores_mean": background, "samples": len(sampler.samples)},
+        }
+        if transfer:
+            from tandem.bench.transfer import bandwidth
 
-        progress(f"KV transfer ({'nccl' if gpu else 'gloo'}, two actors)")
-        rows = bandwidth(model, list(grid.transfer_mb), max(3, repeats), "nccl" if gpu else "gloo")
-        tpoints = [{"bytes": r["mb"] * 2**20, "seconds": r["mb"] * 2**20 / (r["kv_per_layer_gb_s"] * 1e9)}
-                   for r in rows]
-        out["points"]["transfer"] = tpoints
+            progress(f"KV transfer ({'nccl' if gpu else 'gloo'}, two actors)")
+            rows = bandwidth(model, list(grid.transfer_mb), max(3, repeats), "nccl" if gpu else "gloo")
+            shown.update(len(rows))
+            tpoints = [{"bytes": r["mb"] * 2**20, "seconds": r["mb"] * 2**20 / (r["kv_per_layer_gb_s"] * 1e9)}
+                       for r in rows]
+            out["points"]["transfer"] = tpoints
     return fit(out)
 
 

@@ -123,8 +123,11 @@ class StepTimer:
         for seq in list(self.engine.scheduler.seqs):
             self.engine.abort(seq)
 
-    def prefill(self, tokens: list[int], batches: list[tuple[int, int]], repeats: int) -> list[dict]:
-        """One timed step per point: the whole prompt(s) in one step, then finished."""
+    def prefill(self, tokens: list[int], batches: list[tuple[int, int]], repeats: int,
+                warmup: bool = True) -> list[dict]:
+        """One timed step per point: the whole prompt(s) in one step, then finished.
+        ``warmup`` False: no untimed steps first (a later pass over the grid, as
+        ``tandem profile`` calls it once per repeat to show its progress)."""
         budget = self.engine.config.scheduler.max_num_batched_tokens
         if max([*tokens, *(b * n for b, n in batches)]) > budget:
             raise ValueError(f"a timed prefill step holds at most max_num_batched_tokens={budget} tokens")
@@ -132,7 +135,7 @@ class StepTimer:
         if need > self.engine.block_pool.num_blocks:
             raise ValueError(f"the prefill grid needs {need} KV blocks; this engine has "
                              f"{self.engine.block_pool.num_blocks}")
-        for n in PREFILL_WARMUPS:
+        for n in PREFILL_WARMUPS if warmup else ():
             self._add(n, 1), self._timed_step()
         out = []
         for _ in range(repeats):

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from tandem.common.cache_dir import cache_dir, publishing
+from tandem.engine.progress import bar, progress
 from tandem.text.gguf_tokenizer import eos_token_ids_from_gguf, tokenizer_from_gguf
 
 FORMAT_VERSION = "v1"  # bump when the converted folder's contents change on purpose
@@ -51,6 +52,7 @@ _LAYER_NAMES = {
 _TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
               "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
 _SKIPPED = ("rope_freqs.weight",)  # checked against the rope metadata instead
+HASH_CHUNK = 8 * 2**20  # bytes per read while a GGUF file is hashed (content_key)
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -204,7 +206,7 @@ def convert(gguf_path: str | Path, out_dir: str | Path) -> Path:
                 dequantize_tensor(tensor).reshape(-1), config["rope_theta"], config["head_dim"],
                 original or 8192)
     weights: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
+    for tensor in progress(reader.tensors, desc=f"converting {src.name}", unit="tensor"):
         name = hf_tensor_name(tensor.name)
         if name is None:
             continue
@@ -246,8 +248,13 @@ def content_key(src: Path) -> str:
         return memo.read_text(encoding="utf-8").strip()
     except OSError:
         pass
-    with open(src, "rb") as f:
-        key = hashlib.file_digest(f, "sha256").hexdigest()[:16]
+    digest = hashlib.sha256()
+    with open(src, "rb") as f, bar(st.st_size, f"hashing {src.name}", unit="B", unit_scale=True,
+                                   leave=False) as shown:
+        while chunk := f.read(HASH_CHUNK):
+            digest.update(chunk)
+            shown.update(len(chunk))
+    key = digest.hexdigest()[:16]
     memo.parent.mkdir(parents=True, exist_ok=True)
     tmp = memo.with_name(f"{stamp}.{os.getpid()}.tmp")
     tmp.write_text(key + "\n", encoding="utf-8")
