@@ -196,8 +196,7 @@ def _internals(cluster) -> dict:
                 return repr(e)
         sched = worker.engine.scheduler
         state = {"prefilled": keys(sched, "prefilled"), "reserved": keys(sched, "reserved")}
-        for name in ("_descriptors", "_sending", "_by_transfer", "_transfers", "_reserving",
-                     "_ending", "_settling", "_aborted_transfers"):
+        for name in ("requests", "_aborted_transfers"):
             if hasattr(worker, name):
                 state[name] = keys(worker, name)
         sender = getattr(worker, "sender", None)

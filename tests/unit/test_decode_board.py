@@ -61,7 +61,7 @@ def _prefill(board: DecodeBoard, remote: set[str]):
     """The state ``PrefillWorker._retune_threads`` reads: a board, the remote-prefill
     requests (those with a descriptor) and elastic threads of base 1, burst 2."""
     return types.SimpleNamespace(board=board, threads=ElasticThreads(1, 2),
-                                 _descriptors={rid: object() for rid in remote})
+                                 requests={rid: types.SimpleNamespace(descriptor=object()) for rid in remote})
 
 
 def _engine(waiting=(), running=()):

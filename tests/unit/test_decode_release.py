@@ -22,6 +22,7 @@ from tandem.transfer.channel import ChannelBase
 from tandem.transfer.endpoint import make_receiver
 from tandem.transfer.sender import KVSender, SendJob
 from tandem.transfer.device_sync import CpuSync
+from tandem.decode.lifecycle import DecodeEvent as E
 from tandem.decode.worker import TransferFailedError
 from tests.decode_stream import decode_stream
 
@@ -86,7 +87,7 @@ async def _close_feeds(worker) -> None:
 def _all_free(worker) -> bool:
     e = worker.engine
     return (e.block_pool.num_free == e.block_pool.num_blocks and not e.scheduler.seqs
-            and not worker._transfers and not worker._reserving and not worker._ending
+            and not worker.requests
             and not worker.receiver._pending)
 
 
@@ -228,7 +229,7 @@ def test_the_earlier_attempts_own_end_does_not_end_a_waiting_redrive(worker):
     channel, sender = _connect(worker)
 
     async def main():
-        redrive, _ = await _redrive_waiting_for_release(worker, "r2", lambda: asyncio.shield(worker._end("r2")))
+        redrive, _ = await _redrive_waiting_for_release(worker, "r2", lambda: asyncio.shield(worker._end("r2", E.STREAM_CLOSED)))
         assert (await redrive) is not None
         await worker.abort("r2")
     asyncio.run(main())

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tandem.engine.kv_cache.paged_cache import PagedKVCache
+from tandem.prefill.lifecycle import PrefillState
 from tandem.transfer.channel import ChannelBase
 from tandem.transfer.sender import KVSender, SendJob, SendReport
 from tandem.transfer.device_sync import CpuSync
@@ -140,6 +141,7 @@ def test_a_prefill_worker_that_left_its_group_fails_a_transfer_once(tiny_model_d
     from types import SimpleNamespace
 
     from tandem.common.config import CacheConfig, EngineConfig
+    from tandem.prefill.lifecycle import PrefillingRequest, PrefillState
     from tandem.prefill.worker import PrefillWorker
     from tandem.protocol.messages import KVTransferDescriptor
 
@@ -147,11 +149,10 @@ def test_a_prefill_worker_that_left_its_group_fails_a_transfer_once(tiny_model_d
                                                      cache=CacheConfig(num_blocks=8)))
     try:
         layers = worker.engine.model_config.num_layers
-        worker._descriptors["r"] = KVTransferDescriptor(
+        worker.requests["r"] = PrefillingRequest("r", PrefillState.PREFILLING, KVTransferDescriptor(
             request_id="r", transfer_id="r#t", block_ids=(3,),
             layer_groups=tuple((i, i + 1) for i in range(layers)), src_rank=0, dst_rank=1,
-            num_prompt_tokens=4)
-        worker._by_transfer["r#t"] = "r"
+            num_prompt_tokens=4))
         seq = SimpleNamespace(seq_id="r", block_ids=[5])
         for layer in range(layers):
             worker._on_layer_done(layer, [seq])
@@ -179,7 +180,7 @@ async def _until_released(worker, timeout_s: float = 30.0) -> None:
     import asyncio
 
     for _ in range(int(timeout_s / 0.01)):
-        if not worker.engine.scheduler.seqs and not worker._descriptors:
+        if not worker.engine.scheduler.seqs and not worker.requests:
             return
         await asyncio.sleep(0.01)
 
@@ -274,7 +275,7 @@ def test_a_step_that_fails_after_its_sends_were_queued_leaves_nothing_held(tiny_
                 break
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.3)  # the request's abort is queued behind the held engine
-        assert "r" in worker._sending
+        assert worker.requests["r"].state is PrefillState.SENDING
         # its send fails (the peer left): the report's release is queued after the abort
         worker._on_sent(SendReport("r#0", False, "ConnectionError: peer left", 0, 0.0))
         hold.set()
@@ -321,7 +322,7 @@ def test_an_abort_queued_behind_a_busy_engine_leaves_a_later_attempt_alone(tiny_
                 layer_groups=((0, layers),), src_rank=0, dst_rank=1,
                 num_prompt_tokens=len(prompt)))))
         await asyncio.sleep(0.1)
-        assert "r" in worker._descriptors  # attempt 2 registered, its add_request queued
+        assert "r" in worker.requests  # attempt 2 registered, its add_request queued
         hold.set()
         await abort
         await second  # prefilled; its send fails and its report frees the KV
@@ -372,7 +373,7 @@ def test_a_step_that_fails_between_layer_groups_frees_its_blocks_after_the_queue
         assert channel.sending.wait(30)  # group 0 is being sent (on the sender's thread)
         await asyncio.sleep(0.3)  # a step that would run it again has had its chance
         assert pool.num_free < pool.num_blocks, "freed while a send reads them"
-        assert worker.transfer_failures == 0 and "r" in worker._sending
+        assert worker.transfer_failures == 0 and worker.requests["r"].state is PrefillState.SENDING
         channel.gate.set()  # group 0's send ends (failed); the abandonment follows it
         await _until_released(worker)
 

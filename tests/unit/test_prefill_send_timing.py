@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from tandem.prefill.lifecycle import PrefillingRequest, PrefillState
 from tandem.worker.threads import ElasticThreads
 
 
@@ -19,7 +20,7 @@ class RecordingSender:
 
     def submit(self, job) -> None:
         self.jobs.append((self.layer, job.layer_group, job.final,
-                          "r" in self.worker._sending))
+                          self.worker.requests["r"].state is PrefillState.SENDING))
 
 
 @pytest.fixture
@@ -32,11 +33,10 @@ def worker(tiny_model_dir):
                                                 cache=CacheConfig(num_blocks=8)))
     layers = w.engine.model_config.num_layers
     assert layers >= 2
-    w._descriptors["r"] = KVTransferDescriptor(
+    w.requests["r"] = PrefillingRequest("r", PrefillState.PREFILLING, KVTransferDescriptor(
         request_id="r", transfer_id="r#t", block_ids=(3,),
         layer_groups=tuple((i, i + 1) for i in range(layers)), src_rank=0, dst_rank=1,
-        num_prompt_tokens=4)
-    w._by_transfer["r#t"] = "r"
+        num_prompt_tokens=4))
     w.sender = RecordingSender(w)
     yield w
     w.sender = None

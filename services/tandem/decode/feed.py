@@ -161,9 +161,12 @@ class Feeds:
     owner of both). ``close_engine_stream(request_id)`` stops the engine loop routing a
     request's outputs (``EngineLoop.close_stream``)."""
 
-    def __init__(self, worker_id: str, close_engine_stream: Callable[[str], None]) -> None:
+    def __init__(self, worker_id: str, close_engine_stream: Callable[[str], None],
+                 on_ended: Callable[[str], None] | None = None) -> None:
+        """``on_ended(request_id)``: a feed sent the request's last delta or its error."""
         self.worker_id = worker_id
         self._close_engine_stream = close_engine_stream
+        self._on_ended = on_ended
         self._by_subscriber: dict[str, TokenFeed] = {}
         self._closed: set[str] = set()  # subscribers gone: a late start is refused
         self._by_request: dict[str, TokenFeed] = {}
@@ -205,3 +208,5 @@ class Feeds:
         """The feed sent the request's last delta (or its error)."""
         self._close_engine_stream(request_id)
         self._by_request.pop(request_id, None)
+        if self._on_ended is not None:
+            self._on_ended(request_id)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping, Sequence
 
@@ -25,6 +26,7 @@ from tandem.engine.engine import EngineOutput
 from tandem.protocol.messages import (KVTransferDescriptor,
                                         TransferStatus, layer_groups)
 from tandem.decode.feed import FeedItem, Feeds, delta_of
+from tandem.decode.lifecycle import DecodeEvent as E, DecodeState as S, HeldRequest
 from tandem.protocol.request_path import DecodeRequest, TokenDelta
 from tandem.transfer.endpoint import make_receiver, open_channel
 from tandem.transfer.receiver import KVReceiver
@@ -49,14 +51,15 @@ class _Waiter:
 class DecodeWorker(EngineWorker):
     """Wrap with ``ray.remote`` (async actor); one engine, one receiver.
 
-    One owner, one order for a remote-prefill request's blocks: ``reserve``
-    takes them (RESERVED in the scheduler) and registers the transfer; the
-    transfer ends DONE (the request joins the batch) or is aborted, after which
-    no write into the blocks is in flight and later groups are drained; only
-    then are the blocks freed. Every way a request ends (``abort``,
-    its feed closed at any point, a failed or timed-out transfer, cancellation
-    during ``reserve``) goes through :meth:`_end`, one task per request that
-    later callers await.
+    Each request it holds is one :class:`HeldRequest` in ``requests``, moved through
+    its lifecycle (``decode/lifecycle.py``) by the table there. One owner, one order for a
+    remote-prefill request's blocks: ``reserve`` takes them (RESERVED in the scheduler)
+    and registers the transfer; the transfer ends DONE (the request joins the batch) or
+    is aborted, after which no write into the blocks is in flight and later groups are
+    drained; only then are the blocks freed. Every way a request ends (``abort``, its
+    feed closed at any point, a failed or timed-out transfer, cancellation during
+    ``reserve``) goes through :meth:`_end`: one release task per request, which later
+    callers await.
     """
 
     def __init__(self, worker_id: str, config: EngineConfig, transfer_timeout_s: float = 30.0,
@@ -71,14 +74,12 @@ class DecodeWorker(EngineWorker):
         self.receiver: KVReceiver | None = None
         self.rank: int | None = None
         self.transfer_timeout_s = transfer_timeout_s
-        self._transfers: dict[str, tuple[str, KVReceiver]] = {}  # request -> (transfer, receiver)
-        self._reserving: dict[str, asyncio.Task] = {}  # request -> its reserve in progress
-        self._ending: dict[str, asyncio.Task] = {}  # request -> its release in progress
-        self._settling: dict[str, list[_Waiter]] = {}  # request -> calls waiting for that release
-        # transfer ids of attempts aborted here; a reserve that arrives after its own abort
-        # (an async actor runs calls in no set order) is refused instead of holding blocks
+        self.requests: dict[str, HeldRequest] = {}  # the attempt held of each request id
+        # transfer ids of attempts aborted before this worker saw them; a reserve that
+        # arrives after its own abort (an async actor runs calls in no set order) is
+        # refused instead of holding blocks
         self._aborted_transfers: OrderedDict[str, None] = OrderedDict()
-        self.feeds = Feeds(worker_id, self.loop.close_stream)
+        self.feeds = Feeds(worker_id, self.loop.close_stream, on_ended=self._stream_ended)
         self.kv_bytes_received = 0
         self._retune_threads()
         if self.board is not None:
@@ -101,7 +102,7 @@ class DecodeWorker(EngineWorker):
     def _retune_threads(self) -> None:
         """Queue the thread count for the pending transfers now (applied between steps)."""
         if self.threads.enabled:
-            pending = len(self._transfers)  # now: the commands apply in the order they were queued
+            pending = self._pending_transfers()  # now: the commands apply in the order queued
             self.loop.submit(lambda e: self.threads.apply(pending))
 
     def join_transfer_group(self, transports: Mapping[int, str], world_size: int, rank: int,
@@ -128,9 +129,13 @@ class DecodeWorker(EngineWorker):
             return "left the transfer group" if self.rank is not None else None
         return receiver.broken
 
+    def _pending_transfers(self) -> int:
+        """Transfers that may still write into a request's blocks."""
+        return sum(1 for r in self.requests.values() if r.receiver is not None)
+
     def counters(self) -> dict:
         return {"kv_bytes_received": self.kv_bytes_received,
-                "pending_transfers": len(self._transfers),
+                "pending_transfers": self._pending_transfers(),
                 "thread_switches": self.threads.switches}
 
     # -- remote prefill: reserve, receive, decode -------------------------------
@@ -149,28 +154,32 @@ class DecodeWorker(EngineWorker):
                                       f"reservation")
         if not await self._settled(request_id):
             raise TransferFailedError(f"{request_id}: ended on {self.worker_id} before its reservation")
-        task = asyncio.ensure_future(self._reserve(request_id, prompt_token_ids, params,
-                                                   src_rank, transfer_id, layer_group_size,
-                                                   checksum))
-        self._reserving[request_id] = task
-        task.add_done_callback(lambda t: self._forget_task(self._reserving, request_id, t))
+        req = self._open(request_id, S.RESERVING, transfer_id)
+        task = req.reserving = asyncio.ensure_future(self._reserve(
+            req, prompt_token_ids, params, src_rank, layer_group_size, checksum))
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
-            await asyncio.shield(self._end(request_id))
+            await asyncio.shield(self._end(request_id, E.STREAM_CLOSED))
             raise
 
-    async def _reserve(self, request_id: str, prompt_token_ids: Sequence[int],
-                       params: SamplingParams, src_rank: int, transfer_id: str,
-                       layer_group_size: int | None, checksum: bool
-                       ) -> KVTransferDescriptor | None:
+    async def _reserve(self, req: HeldRequest, prompt_token_ids: Sequence[int],
+                       params: SamplingParams, src_rank: int, layer_group_size: int | None,
+                       checksum: bool) -> KVTransferDescriptor | None:
+        request_id, transfer_id = req.request_id, req.transfer_id
         receiver = self.receiver
         if receiver is None or receiver.broken is not None:
+            self._move(req, E.REFUSED)
             raise TransferFailedError(f"decode worker {self.worker_id} has no working transfer "
                                       f"group ({receiver.broken if receiver else 'not joined'})")
-        blocks, reserved = await self._run(lambda e: self._reserve_blocks(
-            e, request_id, prompt_token_ids, params))
+        try:
+            blocks, reserved = await self._run(lambda e: self._reserve_blocks(
+                e, request_id, prompt_token_ids, params))
+        except BaseException:
+            self._move(req, E.REFUSED)  # nothing held (or, cancelled, the release frees it)
+            raise
         if blocks is None:
+            self._move(req, E.REFUSED)
             return None
         groups = layer_groups(self.engine.model_config.num_layers, layer_group_size)
         try:
@@ -178,8 +187,10 @@ class DecodeWorker(EngineWorker):
                             after=reserved)
         except Exception as e:
             await self._run(lambda e: e.cancel_reserved(request_id))  # nothing can write yet
+            self._move(req, E.REFUSED)
             raise TransferFailedError(f"{request_id}: {e}") from e
-        self._transfers[request_id] = (transfer_id, receiver)
+        req.receiver = receiver  # an abort meanwhile (RELEASING) aborts it: its release waits for us
+        self._move(req, E.RESERVED)
         self._retune_threads()
         return KVTransferDescriptor(
             request_id=request_id, transfer_id=transfer_id, block_ids=tuple(blocks),
@@ -203,14 +214,15 @@ class DecodeWorker(EngineWorker):
         of the id (``_settled``) included; a stream waiting on it ends with ``abort``.
         ``transfer_id``: the aborted attempt's, whose ``reserve`` is refused should it
         arrive after this."""
-        reserved = self._transfers.get(request_id, (None, None))[0]
-        if transfer_id is not None and transfer_id != reserved:  # its reserve may be late
+        req = self.requests.get(request_id)
+        registered = req.transfer_id if req is not None and req.receiver is not None else None
+        if transfer_id is not None and transfer_id != registered:  # its reserve may be late
             self._aborted_transfers[transfer_id] = None
             while len(self._aborted_transfers) > ABORTED_TRANSFERS_KEPT:
                 self._aborted_transfers.popitem(last=False)
-        for waiter in self._settling.get(request_id, ()):
+        for waiter in req.waiters if req is not None else ():
             waiter.ended = True  # the gateway's abort comes after that call, never before
-        await asyncio.shield(self._end(request_id))
+        await asyncio.shield(self._end(request_id, E.ABORT))
 
     # -- token feeds: every request of a subscriber streamed through one call -----
     async def feed(self, subscriber: str) -> AsyncIterator[list[FeedItem]]:
@@ -238,13 +250,16 @@ class DecodeWorker(EngineWorker):
         if not await self._settled(rid):
             raise TransferFailedError(f"{rid}: ended on {self.worker_id} before it started")
         index = 1 if req.descriptor is not None else len(req.output_token_ids)
+        if req.descriptor is None:  # a re-drive (or a short prompt) prefilled here
+            record = self._open(rid, S.DECODING)
         self.loop.open_stream(rid, *self.feeds.attach(rid, subscriber, index))
         try:
             if req.descriptor is not None:
-                ready = await self._await_transfer(req)
-                first = await self._run(lambda e: self._commit(e, rid, req.output_token_ids[0],
+                record, ready = await self._await_transfer(req)
+                first = await self._run(lambda e: self._commit(e, record, req.output_token_ids[0],
                                                                ready))
                 if first.finished:
+                    self._move(record, E.FINISHED)
                     self.feeds.detach(rid)
                     return delta_of(rid, [first], 1, include_tokens=False)
             else:  # a re-drive continues the same output
@@ -254,73 +269,106 @@ class DecodeWorker(EngineWorker):
             return None
         except BaseException:
             self.feeds.detach(rid)
-            await asyncio.shield(self._end(rid))
+            await asyncio.shield(self._end(rid, E.STREAM_CLOSED))
             raise
 
     async def _drop_feed(self, subscriber: str) -> None:
         """Forget a feed (later starts on it are refused) and end the requests still on it."""
         for rid in self.feeds.drop(subscriber):
-            await asyncio.shield(self._end(rid))
+            await asyncio.shield(self._end(rid, E.CLIENT_GONE))
 
-    def _commit(self, engine, request_id: str, first_token: int, ready) -> EngineOutput:
+    def _commit(self, engine, req: HeldRequest, first_token: int, ready) -> EngineOutput:
         """On the engine thread: the compute stream waits for the KV's last write (device-side),
-        then the request joins the batch."""
+        then the request joins the batch; refused when it ended meanwhile (the release,
+        queued behind this on the engine thread, then frees the reserved blocks)."""
+        if not req.move(E.COMMIT):
+            raise TransferFailedError(f"{req.request_id}: ended on {self.worker_id} before it "
+                                      "joined the batch")
         if ready is not None:
             self.sync.wait_event(self.sync.current_stream(), ready)
-        return engine.commit_imported(request_id, first_token)
+        return engine.commit_imported(req.request_id, first_token)
 
-    async def _await_transfer(self, req: DecodeRequest):
+    async def _await_transfer(self, msg: DecodeRequest):
         """Wait (bounded) for the reserved request's KV; on failure release it and raise.
-        Returns the event after the KV's last write."""
-        rid = req.request_id
-        entry = self._transfers.get(rid)
-        if entry is None:
+        Returns the request and the event after the KV's last write."""
+        rid = msg.request_id
+        req = self.requests.get(rid)
+        tid = msg.descriptor.transfer_id
+        if req is None or req.transfer_id != tid or req.receiver is None or not req.move(E.START):
             raise TransferFailedError(f"{rid}: no reservation on {self.worker_id}")
-        tid, receiver = entry
+        receiver = req.receiver
+        started = time.monotonic()
         pt = await asyncio.to_thread(receiver.wait, tid, self.transfer_timeout_s)
-        if self._transfers.get(rid) != entry or rid in self._ending:
+        if req.state is not S.RECEIVING:
             # ended meanwhile (an abort): the release path owns the blocks now
             raise TransferFailedError(f"{rid}: ended on {self.worker_id} while its KV arrived")
         if pt.status != TransferStatus.DONE:
             self.transfer_failures += 1
             self.metrics.kv_transfer_failures.inc()
-            await asyncio.shield(self._end(rid))
+            late = time.monotonic() - started >= self.transfer_timeout_s
+            await asyncio.shield(self._end(rid, E.TIMEOUT if late else E.TRANSFER_FAILED))
             raise TransferFailedError(f"{rid}: KV transfer {pt.status.name}: {pt.error}")
-        del self._transfers[rid]  # DONE: nothing writes any more
+        req.receiver = None  # DONE: nothing writes any more
+        self._move(req, E.ALL_ARRIVED)
         self._retune_threads()
         receiver.forget(tid)
         self.kv_bytes_received += pt.num_bytes
         self.metrics.kv_transfer_bytes.inc(pt.num_bytes)
         self.metrics.kv_transfer_time.observe(pt.seconds)
-        return pt.ready
+        return req, pt.ready
 
-    # -- one release path ---------------------------------------------------------
-    def _end(self, request_id: str) -> asyncio.Task:
-        """The request's release task: started once, awaited by every caller."""
-        task = self._ending.get(request_id)
-        if task is None:
-            task = asyncio.ensure_future(self._release(request_id))
-            self._ending[request_id] = task
-            task.add_done_callback(lambda t: self._forget_task(self._ending, request_id, t))
-        return task
+    # -- the requests held, and one release path ------------------------------------
+    def _open(self, request_id: str, state: S, transfer_id: str | None = None) -> HeldRequest:
+        """A new attempt of ``request_id``; refused while another attempt of it is held
+        (an earlier one's release is awaited first, by ``_settled``)."""
+        if request_id in self.requests:
+            raise TransferFailedError(f"{request_id}: already held on {self.worker_id}")
+        req = self.requests[request_id] = HeldRequest(request_id, state, transfer_id)
+        return req
 
-    async def _release(self, request_id: str) -> None:
+    def _move(self, req: HeldRequest, event: E) -> bool:
+        """Move ``req`` by ``event``; a request released is forgotten."""
+        moved = req.move(event)
+        if req.state is S.RELEASED and self.requests.get(req.request_id) is req:
+            del self.requests[req.request_id]
+        return moved
+
+    def _stream_ended(self, request_id: str) -> None:
+        """Its feed sent the request's last delta or error: the engine ended it (its blocks
+        freed), unless a release is already doing that."""
+        req = self.requests.get(request_id)
+        if req is not None and req.state in (S.COMMITTED, S.DECODING):
+            self._move(req, E.FINISHED)
+
+    def _end(self, request_id: str, event: E) -> asyncio.Future:
+        """End the request by ``event``: its release task, started once and awaited by every
+        caller. A request not held (finished, or known only to the engine) is released all
+        the same: the engine drops whatever it still has of it."""
+        req = self.requests.get(request_id)
+        if req is None:
+            req = self._open(request_id, S.DECODING)
+        self._move(req, event)
+        if req.releasing is None:
+            req.releasing = asyncio.ensure_future(self._release(req))
+        return req.releasing
+
+    async def _release(self, req: HeldRequest) -> None:
         """Reservation made (or refused) -> transfer aborted, late groups drained -> blocks freed."""
-        reserving = self._reserving.get(request_id)
-        if reserving is not None:
+        request_id = req.request_id
+        if req.reserving is not None:
             with contextlib.suppress(BaseException):
-                await reserving
-        entry = self._transfers.pop(request_id, None)
-        if entry is not None:
+                await req.reserving
+        receiver, req.receiver = req.receiver, None
+        if receiver is not None:
             self._retune_threads()
-            tid, receiver = entry
-            await asyncio.to_thread(receiver.abort, tid)  # returns once no write is in flight
-            receiver.forget(tid)
+            await asyncio.to_thread(receiver.abort, req.transfer_id)  # once no write is in flight
+            receiver.forget(req.transfer_id)
         try:
             out = await self._run(lambda e: e.abort(request_id))
         except Exception as e:  # the engine is gone: its blocks with it
             log.warning("could not free %s on %s: %s", request_id, self.worker_id, e)
             out = None
+        self._move(req, E.FREED)
         if out is not None:
             self.loop.dispatch([out])  # a stream still read ends with ``abort``
         self.feeds.detach(request_id, drop_pending=out is None)
@@ -330,27 +378,23 @@ class DecodeWorker(EngineWorker):
         False when the gateway aborted the request meanwhile (that abort found the earlier
         release still running). The ends of the earlier attempt itself (its start failing,
         its feed dropped) do not count."""
-        ending = self._ending.get(request_id)
-        if ending is None:
+        req = self.requests.get(request_id)
+        if req is None or req.releasing is None:
             return True
         waiter = _Waiter()
-        self._settling.setdefault(request_id, []).append(waiter)
+        req.waiters.append(waiter)
         try:
-            await asyncio.shield(ending)
+            await asyncio.shield(req.releasing)
         finally:
-            waiters = self._settling[request_id]
-            waiters.remove(waiter)
-            if not waiters:
-                del self._settling[request_id]
+            req.waiters.remove(waiter)
         return not waiter.ended
-
-    @staticmethod
-    def _forget_task(tasks: dict[str, asyncio.Task], request_id: str, task: asyncio.Task) -> None:
-        if tasks.get(request_id) is task:
-            del tasks[request_id]
 
     def shutdown(self) -> None:
         self.loop.stop()
+        for req in list(self.requests.values()):  # the engine's blocks go with it
+            req.move(E.SHUTDOWN)
+            req.receiver = None
+            self._move(req, E.FREED)
         self.leave_transfer_group()
         if self.board is not None:
             self.loop.between_steps = None

@@ -24,7 +24,7 @@ from tandem.common.config import EngineConfig
 from tandem.engine.engine import EngineOutput, LLMEngine
 from tandem.engine.engine_loop import EngineLoopStopped
 from tandem.engine.sequence import Sequence
-from tandem.protocol.messages import KVTransferDescriptor
+from tandem.prefill.lifecycle import PrefillEvent as E, PrefillingRequest, PrefillState as S
 from tandem.protocol.request_path import PrefillRequest, PrefillResult, TokenLogprob
 from tandem.transfer.channel import ChannelBrokenError
 from tandem.transfer.endpoint import make_sender, open_channel
@@ -50,7 +50,10 @@ class PrefillFailedError(RuntimeError):
 
 
 class PrefillWorker(EngineWorker):
-    """Wrap with ``ray.remote`` (async actor); one engine, one sender."""
+    """Wrap with ``ray.remote`` (async actor); one engine, one sender.
+
+    Each request it holds is one :class:`PrefillingRequest` in ``requests``, moved through
+    its lifecycle (``prefill/lifecycle.py``) by the table there."""
 
     def __init__(self, worker_id: str, config: EngineConfig, niceness: int = 0,
                  sync=None, burst_threads: int = 0, board: str | None = None) -> None:
@@ -63,11 +66,9 @@ class PrefillWorker(EngineWorker):
         self.board = DecodeBoard(board) if self.threads.enabled else None
         self.sender = None
         self._joined = False  # joined a transfer group once: without one now, it is broken
-        self._descriptors: dict[str, KVTransferDescriptor] = {}
-        self._by_transfer: dict[str, str] = {}  # transfer id -> request id
-        # requests whose final group (or its abandonment) is queued: the send's report frees them
-        self._sending: set[str] = set()
-        self._streaming: set[str] = set()  # requests with groups queued, their final one not yet
+        # the attempt held of each request id (the event loop, the engine thread and the
+        # sender's completions read it; each request moves by its lifecycle's table)
+        self.requests: dict[str, PrefillingRequest] = {}
         self._hold_sends = False  # this step's layer groups wait for its last layer
         self.kv_bytes_sent = 0
         if self.board is not None:
@@ -77,9 +78,9 @@ class PrefillWorker(EngineWorker):
         """On the engine thread, before each step: burst while every request the decode
         workers hold is one still being prefilled here (a request whose prompt is done
         may be decoding already, its KV sends in flight or not)."""
-        remote = self._descriptors  # the remote-prefill requests: a decode worker holds each
         sched = engine.scheduler
-        own = sum(1 for s in (*sched.waiting, *sched.running) if s.seq_id in remote)
+        own = sum(1 for s in (*sched.waiting, *sched.running)  # a decode worker holds each
+                  if (r := self.requests.get(s.seq_id)) is not None and r.descriptor is not None)
         total = self.board.total()
         # own > total: some of ours are no longer held (released, or their decode worker
         # replaced), so the board's requests cannot be told from ours: any may be decoding
@@ -138,18 +139,22 @@ class PrefillWorker(EngineWorker):
         await self._earlier_attempt_released(rid, timeout_s)
         self.loop.open_stream(rid, lambda out: settle(lambda: first.set_result(out)),
                               lambda exc: settle(lambda: first.set_exception(exc)))
-        if req.descriptor is not None:
-            self._descriptors[rid] = req.descriptor
-            self._by_transfer[req.descriptor.transfer_id] = rid
+        record = self.requests[rid] = PrefillingRequest(rid, S.QUEUED, req.descriptor)
+
+        def add(e: LLMEngine) -> None:
+            e.add_request(rid, req.prompt_token_ids, req.sampling_params)
+            record.move(E.ADDED)
         try:
-            await self._run(lambda e: e.add_request(rid, req.prompt_token_ids, req.sampling_params))
+            await self._run(add)
             try:
                 out = await asyncio.wait_for(first, timeout_s)
             except asyncio.TimeoutError:
                 raise PrefillTimeoutError(f"{rid}: no first token within {timeout_s:g}s on "
                                           f"{self.worker_id}") from None
         except BaseException as e:
-            await asyncio.shield(self.abort(rid))
+            ended = E.TIMEOUT if isinstance(e, PrefillTimeoutError) else \
+                E.ABORT if isinstance(e, (asyncio.CancelledError, ValueError)) else E.STEP_FAILED
+            await asyncio.shield(self._abort(rid, ended))
             if isinstance(e, Exception) and not isinstance(
                     e, (PrefillTimeoutError, ValueError, EngineLoopStopped)):
                 raise PrefillFailedError(f"{rid} failed on {self.worker_id}: "
@@ -160,7 +165,7 @@ class PrefillWorker(EngineWorker):
         if not out.new_token_ids:
             raise RequestAbortedError(f"{rid} was aborted during prefill")
         if req.descriptor is None:
-            self.loop.submit(lambda e: e.release(rid))
+            self.loop.submit(lambda e: self._released_at_first_token(e, record))
         lp = out.new_logprobs[0] if out.new_logprobs else None
         return PrefillResult(
             request_id=rid, first_token_id=out.new_token_ids[0],
@@ -173,7 +178,7 @@ class PrefillWorker(EngineWorker):
         here is released (its sends ended): until then the request's descriptor, and the
         engine's sequence of that id, are the earlier attempt's."""
         deadline = time.monotonic() + timeout_s
-        while rid in self._descriptors:
+        while rid in self.requests:
             if time.monotonic() > deadline:
                 raise PrefillTimeoutError(f"{rid}: an earlier attempt still holds its KV on "
                                           f"{self.worker_id} after {timeout_s:g}s")
@@ -186,12 +191,15 @@ class PrefillWorker(EngineWorker):
         between steps, and a re-drive of the request that registers meanwhile (its
         ``add_request`` queued behind this abort) is not this abort's to end; taking its
         descriptor would leave its prompt's KV held with no transfer to release it."""
-        attempt = self._descriptors.get(request_id)
+        await self._abort(request_id, E.ABORT)
+
+    async def _abort(self, request_id: str, event: E) -> None:
+        attempt = self.requests.get(request_id)
 
         def run(e: LLMEngine) -> None:
-            if self._descriptors.get(request_id) is not attempt:
+            if self.requests.get(request_id) is not attempt:
                 return  # a later attempt registered after this abort was asked
-            out = self._end_on_engine(e, request_id)
+            out = self._end_on_engine(e, request_id, event)
             if out is not None:
                 self.loop.dispatch([out])  # wakes a prefill() waiting on it
         try:
@@ -199,29 +207,42 @@ class PrefillWorker(EngineWorker):
         except Exception as e:  # the engine is gone: its blocks with it
             log.warning("could not abort %s on %s: %s", request_id, self.worker_id, e)
 
-    def _end_on_engine(self, e: LLMEngine, request_id: str) -> EngineOutput | None:
+    def _end_on_engine(self, e: LLMEngine, request_id: str,
+                       event: E = E.STEP_FAILED) -> EngineOutput | None:
         """End a request on the engine thread; blocks with sends queued are freed by the
         sender's completion instead, so no send reads blocks another request owns. A
         request whose step stopped between its layer groups has its transfer abandoned
         behind the groups already queued."""
-        if request_id in self._streaming:
-            self._streaming.discard(request_id)
-            self._sending.add(request_id)
-            d = self._descriptors[request_id]
+        req = self.requests.get(request_id)
+        if req is not None and req.state is S.STREAMING:
+            req.move(event)  # -> SENDING
+            d = req.descriptor
             if self.sender is None:
                 self._on_sent(SendReport(d.transfer_id, False, "no transfer group", 0, 0.0))
             else:
                 self.sender.abandon(d.transfer_id, d.dst_rank,
                                     f"{request_id}'s prefill step failed")
-        if request_id in self._sending:
+        elif req is not None and req.state is not S.SENDING:
+            self._move(req, event)  # queued or prefilling: released here
+        if req is not None and req.state is S.SENDING:
+            req.move(event)
             e.hold(request_id)  # not run again; the report's release frees it
             return None
-        d = self._descriptors.pop(request_id, None)
-        if d is not None:
-            self._by_transfer.pop(d.transfer_id, None)
         out = e.abort(request_id)
         e.release(request_id)
         return out
+
+    def _released_at_first_token(self, e: LLMEngine, req: PrefillingRequest) -> None:
+        """On the engine thread: a request with no transfer frees its KV once token #1 is out."""
+        if self._move(req, E.FIRST_TOKEN):
+            e.release(req.request_id)
+
+    def _move(self, req: PrefillingRequest, event: E) -> bool:
+        """Move ``req`` by ``event``; a request released is forgotten."""
+        moved = req.move(event)
+        if req.state is S.RELEASED and self.requests.get(req.request_id) is req:
+            del self.requests[req.request_id]
+        return moved
 
     def _kv_bytes(self, req: PrefillRequest) -> int:
         d = req.descriptor
@@ -248,11 +269,13 @@ class PrefillWorker(EngineWorker):
         sender = self.sender
         ready = None  # one event per layer, recorded only when a group ends here
         for seq in completing:
-            d = self._descriptors.get(seq.seq_id)
-            if d is None or seq.seq_id in self._sending:  # not sent, or failed at an earlier layer
+            req = self.requests.get(seq.seq_id)
+            # not sent, or its last group (or a failure) queued at an earlier layer
+            if req is None or req.descriptor is None or req.state not in (S.PREFILLING, S.STREAMING):
                 continue
+            d = req.descriptor
             if sender is None:  # left the group mid-request: fail the transfer, free the KV
-                self._sending.add(seq.seq_id)
+                req.move(E.TRANSFER_FAILED)
                 self._on_sent(SendReport(d.transfer_id, False, "no transfer group", 0, 0.0))
                 continue
             n_blocks = len(d.block_ids)
@@ -264,11 +287,7 @@ class PrefillWorker(EngineWorker):
                     if ready is None:
                         ready = self.sync.record_event(self.sync.current_stream())
                     final = g == len(d.layer_groups) - 1
-                    if final:
-                        self._streaming.discard(seq.seq_id)
-                        self._sending.add(seq.seq_id)
-                    else:
-                        self._streaming.add(seq.seq_id)
+                    req.move(E.LAST_GROUP_QUEUED if final else E.GROUP_QUEUED)
                     sender.submit(SendJob(
                         transfer_id=d.transfer_id, dst_rank=d.dst_rank,
                         src_block_ids=seq.block_ids[:n_blocks], layers=group.layers,
@@ -276,9 +295,11 @@ class PrefillWorker(EngineWorker):
                         dst_block_ids=d.block_ids, ready=ready))
 
     def _on_sent(self, report: SendReport) -> None:
-        rid = self._by_transfer.get(report.transfer_id)
-        if rid is None:
+        req = next((r for r in list(self.requests.values()) if r.transfer_id == report.transfer_id),
+                   None)
+        if req is None:
             return
+        rid = req.request_id
         if report.ok:
             self.kv_bytes_sent += report.num_bytes
             self.metrics.kv_transfer_bytes.inc(report.num_bytes)
@@ -288,10 +309,8 @@ class PrefillWorker(EngineWorker):
             log.warning("transfer %s failed: %s", report.transfer_id, report.error)
 
         def release(e: LLMEngine) -> None:
-            self._by_transfer.pop(report.transfer_id, None)
-            self._descriptors.pop(rid, None)
-            self._sending.discard(rid)
-            self._streaming.discard(rid)
+            if not self._move(req, E.SENT):
+                return
             e.release(rid)  # held for export since its first token, or since its step failed
             out = e.abort(rid)  # should it still be scheduled: never left held by nobody
             if out is not None:
@@ -300,6 +319,8 @@ class PrefillWorker(EngineWorker):
 
     def shutdown(self) -> None:
         self.loop.stop()
+        for req in list(self.requests.values()):  # the engine's blocks go with it
+            self._move(req, E.SHUTDOWN)
         self.leave_transfer_group()
         if self.board is not None:
             self.loop.between_steps = None
