@@ -8,8 +8,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from tandem.engine.kernels import amx_linear, bf16_avx512_linear, cpu_features, packed_linear
+from tandem.engine.kernels.kernel_choice import CLASSES
 
-AMX_FLAGS = ("amx_bf16", "amx_tile", "amx_int8")
+AMX_FLAGS = tuple(sorted(CLASSES["avx512-amx"] - CLASSES["avx512-bf16"]))
 _FLAG_CACHES = (cpu_features.cpu_flags, amx_linear.load, bf16_avx512_linear.load, packed_linear.load)
 
 

@@ -8,17 +8,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tandem.common.sampling_params import FinishReason, SamplingParams
+from tandem import engine
+from tandem.engine import FinishReason, SamplingParams, __all__
 
 if TYPE_CHECKING:
     from tandem.engine.llm import LLM, CompletionOutput, RequestOutput
 
-__all__ = ["LLM", "SamplingParams", "FinishReason", "CompletionOutput", "RequestOutput"]
-
 
 def __getattr__(name: str):
-    # Lazy: importing the package for SamplingParams must not pull in torch.
-    if name in ("LLM", "CompletionOutput", "RequestOutput"):
-        from tandem.engine import llm
-        return getattr(llm, name)
-    raise AttributeError(name)
+    return getattr(engine, name)  # lazily, as tandem.engine: SamplingParams without torch

@@ -87,7 +87,7 @@ def test_outputs_match_offline_engine(ray_session, checkpoint, prompts, referenc
     cluster = Cluster(_config(checkpoint, **MODES[mode])).start()
     try:
         assert run_all(cluster, prompts) == reference
-        workers = cluster.prefill + cluster.decode  # each froze its start-up heap (engine/heap.py)
+        workers = cluster.prefill + cluster.decode  # each froze its start-up heap (engine/gc_freeze.py)
         assert all(ray.get([w.actor.__ray_call__.remote(lambda actor: gc.get_freeze_count() > 0)
                             for w in workers], timeout=60))
         stats = wait_all_free(cluster)

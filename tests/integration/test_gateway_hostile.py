@@ -182,7 +182,7 @@ def _ray_error(cause: Exception) -> Exception:
     ``RayTaskError`` and the cause's class, whose text holds the remote traceback."""
     from ray.exceptions import RayTaskError
 
-    trace = ("Traceback (most recent call last):\n  File \"/opt/tandem/services/engine/engine.py\", line 412, "
+    trace = ("Traceback (most recent call last):\n  File \"/opt/tandem/services/tandem/engine/engine.py\", line 412, "
              "in step\n    probs = torch.topk(logits, k)\nRuntimeError: selected index k out of range")
     return RayTaskError("DecodeWorker.start", trace, cause, proctitle="ray::DecodeWorker.start()", pid=31337,
                         ip="10.42.7.19", actor_id="f" * 32).as_instanceof_cause()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tandem.engine.kernels import cpu_features, cpu_kernels, kernel_choice
-from tandem.engine.kernels.kernel_choice import AMX, BF16_AVX512, CLASSES, KernelChoice
+from tandem.engine.kernels.kernel_choice import AMX, BF16_AVX512, CLASSES, RULE_FLAGS, KernelChoice
 from tandem.engine.model.loader import DTYPES, load_model
 from tests.cpu_class import forget_flags
 
@@ -22,20 +22,24 @@ EXPECTED = {
         ("float32", None): KernelChoice("packed", "float32", "fp32"),
         ("bfloat16", None): KernelChoice("torch", "bfloat16", "bf16"),
         ("float32", "int8"): KernelChoice("int8", "float32", "fp32"),
+        ("bfloat16", "int8"): KernelChoice("int8", "float32", "fp32"),
     },
     "avx512": {
         ("float32", None): KernelChoice("packed", "float32", "fp32"),
         ("bfloat16", None): KernelChoice("torch", "bfloat16", "bf16"),
+        ("float32", "int8"): KernelChoice("int8", "float32", "fp32"),
         ("bfloat16", "int8"): KernelChoice("int8", "float32", "fp32"),
     },
     "avx512-bf16": {
         ("float32", None): KernelChoice("packed", "float32", "fp32"),
         ("bfloat16", None): KernelChoice(BF16_AVX512, "float32", "fp32"),
+        ("float32", "int8"): KernelChoice("int8", "float32", "fp32"),
         ("bfloat16", "int8"): KernelChoice("int8", "float32", "fp32"),
     },
     "avx512-amx": {
         ("float32", None): KernelChoice("packed", "float32", "fp32"),
         ("bfloat16", None): KernelChoice(AMX, "float32", "bf16"),
+        ("float32", "int8"): KernelChoice("int8", "float32", "fp32"),
         ("bfloat16", "int8"): KernelChoice("int8", "float32", "bf16"),
     },
 }
@@ -76,7 +80,7 @@ def test_no_avx2_keeps_onednn_and_unknown_inputs_are_refused():
 
 
 def _reachable(cls: str) -> bool:
-    return CLASSES[cls] <= cpu_features.proc_flags()
+    return CLASSES[cls] & RULE_FLAGS <= cpu_features.proc_flags()
 
 
 def _linear_kind(model) -> str:
@@ -90,11 +94,12 @@ def _linear_kind(model) -> str:
 
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler on this machine")
 @pytest.mark.parametrize("cls", sorted(CLASSES))
-@pytest.mark.parametrize("dtype,quantization", [("float32", None), ("bfloat16", None), ("float32", "int8")])
+@pytest.mark.parametrize("dtype,quantization", [("float32", None), ("bfloat16", None), ("float32", "int8"),
+                                                ("bfloat16", "int8")])
 def test_a_model_loaded_as_each_class_this_host_has_takes_its_choice(
         flags_of, tiny_model_dir, cls, dtype, quantization):
     if not _reachable(cls):
-        pytest.skip(f"this CPU lacks {', '.join(sorted(CLASSES[cls] - cpu_features.proc_flags()))}")
+        pytest.skip(f"this CPU lacks {', '.join(sorted(CLASSES[cls] & RULE_FLAGS - cpu_features.proc_flags()))}")
     host = cpu_features.proc_flags()
     flags = flags_of(host, (host & RICHEST) - CLASSES[cls])
     if cls == "avx512-amx" and not cpu_features.has_amx_bf16():
@@ -103,5 +108,5 @@ def test_a_model_loaded_as_each_class_this_host_has_takes_its_choice(
     model = load_model(tiny_model_dir, DTYPES[dtype], torch.device("cpu"), 256, quantization=quantization)
     assert _linear_kind(model) == expected.linear
     assert model.norm.weight.dtype == DTYPES[expected.activations]
-    if expected.activations == "float32":
-        assert model.attn.amx_prompts == (expected.prompt_attention == "bf16")
+    if expected.activations == "float32":  # AMX prompts apply to a bf16 cache only
+        assert (model.attn.amx_prompts and dtype == "bfloat16") == (expected.prompt_attention == "bf16")

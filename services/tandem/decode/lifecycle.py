@@ -11,8 +11,9 @@ A request prefilled here (a re-drive, or conditional mode's short prompts) start
 ``decoding``. Every end (abort, client gone, transfer failed, timeout, stream closed,
 shutdown) moves a live request to ``releasing``: its transfer is aborted first (no write in
 flight, later groups drained), then ``freed`` frees its blocks. ``finished`` is the engine
-ending it (its blocks freed with it). Those two are the only moves into ``released``, the
-only places its blocks are freed.
+ending it (its blocks freed with it). Those two, and ``refused`` (a reservation undone
+before any transfer could write into it), are the only moves into ``released``: the only
+places its blocks are freed.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from tandem.engine.engine import EngineOutput
 from tandem.protocol.messages import (KVTransferDescriptor,
                                         TransferStatus, layer_groups)
 from tandem.decode.feed import FeedItem, Feeds, delta_of
-from tandem.decode.lifecycle import DecodeEvent as E, DecodeState as S, HeldRequest
+from tandem.decode.lifecycle import LIFECYCLE, DecodeEvent as E, DecodeState as S, HeldRequest
 from tandem.protocol.request_path import DecodeRequest, TokenDelta
 from tandem.transfer.endpoint import make_receiver, open_channel
 from tandem.transfer.receiver import KVReceiver
@@ -250,9 +250,11 @@ class DecodeWorker(EngineWorker):
         if not await self._settled(rid):
             raise TransferFailedError(f"{rid}: ended on {self.worker_id} before it started")
         index = 1 if req.descriptor is not None else len(req.output_token_ids)
-        if req.descriptor is None:  # a re-drive (or a short prompt) prefilled here
-            record = self._open(rid, S.DECODING)
+        if req.descriptor is None and rid in self.requests:
+            raise TransferFailedError(f"{rid}: already held on {self.worker_id}")
         self.loop.open_stream(rid, *self.feeds.attach(rid, subscriber, index))
+        if req.descriptor is None:  # a re-drive (or a short prompt) prefilled here
+            self._open(rid, S.DECODING)
         try:
             if req.descriptor is not None:
                 record, ready = await self._await_transfer(req)
@@ -327,11 +329,7 @@ class DecodeWorker(EngineWorker):
         return req
 
     def _move(self, req: HeldRequest, event: E) -> bool:
-        """Move ``req`` by ``event``; a request released is forgotten."""
-        moved = req.move(event)
-        if req.state is S.RELEASED and self.requests.get(req.request_id) is req:
-            del self.requests[req.request_id]
-        return moved
+        return LIFECYCLE.move_held(self.requests, req, event)
 
     def _stream_ended(self, request_id: str) -> None:
         """Its feed sent the request's last delta or error: the engine ended it (its blocks

@@ -24,7 +24,7 @@ from tandem.common.config import EngineConfig
 from tandem.engine.engine import EngineOutput, LLMEngine
 from tandem.engine.engine_loop import EngineLoopStopped
 from tandem.engine.sequence import Sequence
-from tandem.prefill.lifecycle import PrefillEvent as E, PrefillingRequest, PrefillState as S
+from tandem.prefill.lifecycle import LIFECYCLE, PrefillEvent as E, PrefillingRequest, PrefillState as S
 from tandem.protocol.request_path import PrefillRequest, PrefillResult, TokenLogprob
 from tandem.transfer.channel import ChannelBrokenError
 from tandem.transfer.endpoint import make_sender, open_channel
@@ -238,11 +238,7 @@ class PrefillWorker(EngineWorker):
             e.release(req.request_id)
 
     def _move(self, req: PrefillingRequest, event: E) -> bool:
-        """Move ``req`` by ``event``; a request released is forgotten."""
-        moved = req.move(event)
-        if req.state is S.RELEASED and self.requests.get(req.request_id) is req:
-            del self.requests[req.request_id]
-        return moved
+        return LIFECYCLE.move_held(self.requests, req, event)
 
     def _kv_bytes(self, req: PrefillRequest) -> int:
         d = req.descriptor

@@ -8,7 +8,7 @@ staging and dropped, so the stream stays aligned. A zero-copy payload
 transfer's blocks are written only under its lock, so ``abort`` returning
 means no write is in flight and the blocks can be freed.
 
-Device order (``streams.py``): a peer's receives and scatters are queued on the
+Device order (``device_sync.py``): a peer's receives and scatters are queued on the
 channel's stream for that peer (non-blocking: a header receive posted for an
 idle peer holds up nothing else). The header is copied to pinned host memory on
 that stream and waited for by event, never by a sync another peer's work could

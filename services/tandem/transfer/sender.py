@@ -6,7 +6,7 @@ naming its transfer id and layer group. Where the blocks form a few long runs
 on both sides (``layout.py``), the payload goes out of the cache in place, one
 message per (layer, K|V, run); otherwise it is gathered into one message.
 
-Device order (``streams.py``): a job's work is queued on the channel's stream
+Device order (``device_sync.py``): a job's work is queued on the channel's stream
 for its decode rank after that stream waited for the job's ``ready`` event
 (recorded on the compute stream when the group's last layer was queued). A
 transfer is reported (and its blocks freed) only once an event recorded after

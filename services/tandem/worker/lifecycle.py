@@ -33,7 +33,7 @@ class Lifecycle(Generic[S, E]):
         for (state, _), _ in self.table.items():
             if state in self.terminal:
                 raise ValueError(f"{name}: a move out of the terminal state {state.name}")
-        self.refused = 0  # events refused so far (a metric of races seen)
+        self.refused = 0  # events refused so far in this process, every worker's (for debugging)
         # one move at a time: the worker's event loop and its engine thread both move requests
         self._lock = threading.Lock()
 
@@ -55,6 +55,14 @@ class Lifecycle(Generic[S, E]):
             log.info("%s %s: %s refused in %s", self.name, request_id, event.name, state.name)
             return False
         return True
+
+    def move_held(self, held: dict, request, event: E) -> bool:
+        """:meth:`move`, for a request a worker holds in ``held`` (by ``request.request_id``):
+        one that reaches a terminal state is dropped from it."""
+        moved = self.move(request, event, request.request_id)
+        if request.state in self.terminal and held.get(request.request_id) is request:
+            del held[request.request_id]
+        return moved
 
     def markdown(self) -> str:
         """The table as Markdown: a row per state, a column per event, the next state in

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 from functools import cache
 
-from tandem.engine.kernels import cpu_features, cpu_kernels
+from tandem.engine.kernels import cpu_features, cpu_kernels, kernel_choice
 from tandem.engine.kernels.amx_linear import PairPackedKernels
 
 
@@ -43,7 +43,7 @@ def load() -> Bf16Avx512Kernels | None:
     """The kernels where the CPU has AVX-512 BF16 and the native library builds with it
     (FMAs on an Intel CPU, dot products elsewhere, unless ``KERNEL_ENV`` says which); else
     None."""
-    if "avx512_bf16" not in cpu_features.cpu_flags():
+    if not kernel_choice.avx512_bf16(cpu_features.cpu_flags()):
         return None
     kernels = cpu_kernels.load()
     if kernels is None or not kernels.lib.tandem_bf16_avx512_supported():

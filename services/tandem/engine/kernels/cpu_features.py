@@ -7,6 +7,7 @@ from functools import cache
 
 from tandem.engine.kernels import kernel_choice
 
+
 @cache
 def proc_flags() -> frozenset[str]:
     """The ``flags`` of /proc/cpuinfo's first processor (empty where it cannot be read):

@@ -31,6 +31,8 @@ CLASSES: dict[str, frozenset[str]] = {
     "avx512-bf16": _AVX512_BF16,
     "avx512-amx": _AMX,
 }
+# the flags the rules below read: a CPU of a class is one that has these of its flags
+RULE_FLAGS = frozenset({"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"})
 
 
 def packed_fp32(flags: frozenset[str]) -> bool:
@@ -44,20 +46,29 @@ def amx_tiles(flags: frozenset[str]) -> bool:
     return "amx_bf16" in flags
 
 
+def avx512_bf16(flags: frozenset[str]) -> bool:
+    """Whether the CPU has AVX-512 BF16 (``vdpbf16ps``), which the BF16_AVX512 kernels need."""
+    return "avx512_bf16" in flags
+
+
+def bf16_layouts(flags: frozenset[str]) -> list[str]:
+    """The native layouts packed bf16 weights may take, first choice first: ``AMX`` where
+    the CPU has AMX-BF16, then ``BF16_AVX512`` where it has AVX-512 BF16 (taken where the
+    OS withholds the tiles, or the AMX kernels do not build). Empty: oneDNN's blocked layout."""
+    return [layout for layout, has in ((AMX, amx_tiles(flags)), (BF16_AVX512, avx512_bf16(flags))) if has]
+
+
 def bf16_weights(flags: frozenset[str]) -> str | None:
-    """The native layout packed bf16 weights take: ``AMX`` where the CPU has AMX-BF16,
-    else ``BF16_AVX512`` where it has AVX-512 BF16; None (oneDNN's blocked layout) elsewhere."""
-    if amx_tiles(flags):
-        return AMX
-    if "avx512_bf16" in flags:
-        return BF16_AVX512
-    return None
+    """The native layout packed bf16 weights take where its kernels load (the first of
+    ``bf16_layouts``); None: oneDNN's blocked layout."""
+    layouts = bf16_layouts(flags)
+    return layouts[0] if layouts else None
 
 
 def native_bf16(flags: frozenset[str]) -> bool:
     """Whether bf16 products run natively (bf16 weights under fp32 activations); without it a
     bf16 model runs wholly in bf16 on torch's path."""
-    return bool({"avx512_bf16", "amx_bf16"} & flags)
+    return bool(bf16_layouts(flags))
 
 
 def bf16_prompt_attention(flags: frozenset[str]) -> bool:

@@ -150,10 +150,10 @@ def storage_layout(layout: str, dtype: torch.dtype, native: bool) -> str:
     if layout not in LAYOUTS:
         raise ValueError(f"CPU weight layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
     if layout == "packed" and dtype == torch.bfloat16 and native:
-        chosen = kernel_choice.bf16_weights(cpu_features.cpu_flags())
-        loader = {AMX: amx_linear.load, BF16_AVX512: bf16_avx512_linear.load}.get(chosen)
-        if loader is not None and loader() is not None:
-            return chosen
+        for chosen in kernel_choice.bf16_layouts(cpu_features.cpu_flags()):
+            loader = amx_linear.load if chosen == AMX else bf16_avx512_linear.load
+            if loader() is not None:
+                return chosen
     if layout == "packed" and not (dtype == torch.float32 and native and packed_linear.load() is not None):
         return "blocked"
     return layout
