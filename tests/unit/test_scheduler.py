@@ -177,7 +177,7 @@ def test_cancelling_or_finishing_a_reservation_frees_its_blocks_once():
     assert not s.reserve(_seq(2, 10)) and s.kv.pool.num_free == 2  # refused: holds nothing
     assert s.cancel_reservation("r0") and not s.cancel_reservation("r0")
     s.finish(b, FinishReason.ABORT)
-    assert b.status == SequenceStatus.FINISHED and s.seqs == {} and s.reserved == {}
+    assert b.status == SequenceStatus.RELEASED and s.seqs == {} and s.reserved == {}
     assert s.kv.pool.num_free == 8
     with __import__("pytest").raises(KeyError):
         s.admit_imported("r1")

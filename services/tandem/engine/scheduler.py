@@ -123,7 +123,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Stop a sequence wherever it is and free its blocks."""
-        if seq.status == SequenceStatus.FINISHED:
+        if seq.status == SequenceStatus.RELEASED:
             return
         if seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
@@ -134,7 +134,7 @@ class Scheduler:
         else:
             self.prefilled.pop(seq.seq_id, None)
         self.kv.free(seq)
-        seq.status = SequenceStatus.FINISHED
+        seq.status = SequenceStatus.RELEASED
         seq.finish_reason = reason
         self.seqs.pop(seq.seq_id, None)
 

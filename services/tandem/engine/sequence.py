@@ -16,7 +16,7 @@ class SequenceStatus(enum.IntEnum):
     RESERVED = 1  # decode role: blocks held for KV arriving from a prefill worker; not scheduled
     RUNNING = 2  # scheduled each step: prefill chunks, then one decode token per step
     PREFILLED = 3  # prefill role: token #1 sampled, KV held for export until released
-    FINISHED = 4  # blocks freed
+    RELEASED = 4  # finished or aborted: blocks freed (the workers' RELEASED)
 
 
 @dataclass(eq=False)
@@ -72,4 +72,4 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status == SequenceStatus.FINISHED
+        return self.status == SequenceStatus.RELEASED
