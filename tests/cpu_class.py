@@ -21,14 +21,20 @@ def forget_flags() -> None:
 
 
 @contextmanager
-def hidden_cpu_flags(*flags: str) -> Iterator[frozenset[str]]:
-    """Run the engine as on this CPU without ``flags``; yields the flags it then sees."""
+def hidden_cpu_flags(*flags: str, reported: frozenset[str] | None = None) -> Iterator[frozenset[str]]:
+    """Run the engine as on this CPU without ``flags``; yields the flags it then sees.
+    ``reported``: as on a CPU whose /proc/cpuinfo reports these flags instead (the rule
+    only: the native kernels stay built for this one)."""
     before = os.environ.get("TANDEM_CPU_FLAGS_OFF")
-    os.environ["TANDEM_CPU_FLAGS_OFF"] = ",".join(flags)
+    proc_flags = cpu_features.proc_flags
+    os.environ["TANDEM_CPU_FLAGS_OFF"] = ",".join(sorted(flags))
+    if reported is not None:
+        cpu_features.proc_flags = lambda: reported
     forget_flags()
     try:
         yield cpu_features.cpu_flags()
     finally:
+        cpu_features.proc_flags = proc_flags
         if before is None:
             del os.environ["TANDEM_CPU_FLAGS_OFF"]
         else:

@@ -14,7 +14,7 @@ import torch
 from tandem.engine.kernels import cpu_features, cpu_kernels, kernel_choice
 from tandem.engine.kernels.kernel_choice import AMX, BF16_AVX512, CLASSES, RULE_FLAGS, KernelChoice
 from tandem.engine.model.loader import DTYPES, load_model
-from tests.cpu_class import forget_flags
+from tests.cpu_class import hidden_cpu_flags
 
 # class -> {(dtype, quantization): what the engine runs}; the spec the rule is held to
 EXPECTED = {
@@ -46,28 +46,15 @@ EXPECTED = {
 RICHEST = CLASSES["avx512-amx"]
 
 
-@pytest.fixture
-def flags_of(monkeypatch):
-    """Run as a CPU whose /proc/cpuinfo reports ``reported``, less what is hidden."""
-    def set_flags(reported: frozenset[str], hidden: frozenset[str]) -> frozenset[str]:
-        monkeypatch.setattr(cpu_features, "proc_flags", lambda: reported)
-        monkeypatch.setenv("TANDEM_CPU_FLAGS_OFF", ",".join(sorted(hidden)))
-        forget_flags()
-        return cpu_features.cpu_flags()
-    yield set_flags
-    monkeypatch.undo()
-    forget_flags()
-
-
 @pytest.mark.parametrize("cls", sorted(CLASSES))
-def test_each_class_reached_by_hiding_flags_takes_its_kernels(flags_of, cls):
-    flags = flags_of(RICHEST, RICHEST - CLASSES[cls])
-    assert flags == CLASSES[cls]
-    for (dtype, quantization), expected in EXPECTED[cls].items():
-        assert kernel_choice.choose(flags, dtype, quantization) == expected, (cls, dtype, quantization)
-    assert cpu_features.has_native_bf16() == (cls in ("avx512-bf16", "avx512-amx"))
-    assert cpu_features.vector_isa() == {"avx2": "AVX2", "avx512": "AVX-512",
-                                         "avx512-bf16": "AVX-512 BF16", "avx512-amx": "AMX"}[cls]
+def test_each_class_reached_by_hiding_flags_takes_its_kernels(cls):
+    with hidden_cpu_flags(*(RICHEST - CLASSES[cls]), reported=RICHEST) as flags:
+        assert flags == CLASSES[cls]
+        for (dtype, quantization), expected in EXPECTED[cls].items():
+            assert kernel_choice.choose(flags, dtype, quantization) == expected, (cls, dtype, quantization)
+        assert cpu_features.has_native_bf16() == (cls in ("avx512-bf16", "avx512-amx"))
+        assert cpu_features.vector_isa() == {"avx2": "AVX2", "avx512": "AVX-512",
+                                             "avx512-bf16": "AVX-512 BF16", "avx512-amx": "AMX"}[cls]
 
 
 def test_no_avx2_keeps_onednn_and_unknown_inputs_are_refused():
@@ -97,16 +84,29 @@ def _linear_kind(model) -> str:
 @pytest.mark.parametrize("dtype,quantization", [("float32", None), ("bfloat16", None), ("float32", "int8"),
                                                 ("bfloat16", "int8")])
 def test_a_model_loaded_as_each_class_this_host_has_takes_its_choice(
-        flags_of, tiny_model_dir, cls, dtype, quantization):
+        tiny_model_dir, cls, dtype, quantization):
     if not _reachable(cls):
         pytest.skip(f"this CPU lacks {', '.join(sorted(CLASSES[cls] & RULE_FLAGS - cpu_features.proc_flags()))}")
-    host = cpu_features.proc_flags()
-    flags = flags_of(host, (host & RICHEST) - CLASSES[cls])
-    if cls == "avx512-amx" and not cpu_features.has_amx_bf16():
-        pytest.skip("the OS does not grant AMX tiles to this process")
-    expected = kernel_choice.choose(flags, dtype, quantization)
-    model = load_model(tiny_model_dir, DTYPES[dtype], torch.device("cpu"), 256, quantization=quantization)
+    with hidden_cpu_flags(*(cpu_features.proc_flags() & RICHEST - CLASSES[cls])) as flags:
+        if cls == "avx512-amx" and not cpu_features.has_amx_bf16():
+            pytest.skip("the OS does not grant AMX tiles to this process")
+        expected = kernel_choice.choose(flags, dtype, quantization)
+        model = load_model(tiny_model_dir, DTYPES[dtype], torch.device("cpu"), 256, quantization=quantization)
     assert _linear_kind(model) == expected.linear
     assert model.norm.weight.dtype == DTYPES[expected.activations]
     if expected.activations == "float32":  # AMX prompts apply to a bf16 cache only
         assert (model.attn.amx_prompts and dtype == "bfloat16") == (expected.prompt_attention == "bf16")
+
+
+def test_bf16_weights_on_a_cpu_whose_amx_is_withheld_take_the_avx512_bf16_kernels(monkeypatch):
+    # the CPU reports AMX tiles, but the OS grants none (or the AMX kernels do not build):
+    # the next native layout, not oneDNN's blocked one
+    from tandem.engine.kernels import amx_linear, bf16_avx512_linear, onednn
+
+    with hidden_cpu_flags(reported=RICHEST):
+        monkeypatch.setattr(amx_linear, "load", lambda: None)
+        monkeypatch.setattr(bf16_avx512_linear, "load", lambda: object())
+        assert onednn.storage_layout("packed", torch.bfloat16, True) == BF16_AVX512
+        assert onednn.head_layout("blocked", torch.bfloat16, True) == "packed"  # the head too
+        monkeypatch.setattr(bf16_avx512_linear, "load", lambda: None)
+        assert onednn.storage_layout("packed", torch.bfloat16, True) == "blocked"

@@ -1,7 +1,7 @@
 """Which CPU kernel and weight layout the engine picks, by the CPU's flags: the one rule.
 
 The loaders (``packed_linear``, ``amx_linear``, ``bf16_avx512_linear``), ``onednn``'s
-storage layout, the attention backend and the model loader all ask these functions, with
+storage layout, the attention backend and the model loader (``choose``) all ask these functions, with
 ``cpu_features.cpu_flags()`` (the CPU's flags less ``TANDEM_CPU_FLAGS_OFF``); the tests ask
 them too, so an expectation is never written twice. A loader may still find no kernel (no C
 compiler, a library built without the instruction set, the OS not granting AMX tiles): the

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 from tandem.common.config import QUANTIZATIONS
-from tandem.engine.kernels import cpu_features, onednn
+from tandem.engine.kernels import cpu_features, kernel_choice, onednn
 from tandem.engine.model.config import ModelConfig
 from tandem.engine.model.llama import LlamaModel
 
@@ -37,14 +37,15 @@ def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dt
 def fp32_activations(dtype: torch.dtype, device: torch.device, use_onednn: bool,
                      quantization: str | None) -> bool:
     """Whether a CPU model keeps its activations fp32 and stores weights in ``dtype``
-    (packed bf16 for oneDNN, or int8): fp32, int8, and bf16 where the CPU has native
-    bf16 products. Elsewhere (GPU, fp16, bf16 emulated) the model runs in ``dtype``."""
-    if device.type != "cpu":
+    (packed bf16 for oneDNN, or int8): the CPU's kernel choice (``kernel_choice.choose``:
+    fp32, int8, and bf16 where the CPU has native bf16 products), bf16 also needing oneDNN.
+    Elsewhere (GPU, fp16, bf16 emulated) the model runs in ``dtype``."""
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return False
-    if quantization is not None or dtype == torch.float32:
-        return True
-    return dtype == torch.bfloat16 and use_onednn and onednn.available(device) \
-        and cpu_features.has_native_bf16()
+    choice = kernel_choice.choose(cpu_features.cpu_flags(), str(dtype).removeprefix("torch."), quantization)
+    if choice.activations != "float32":
+        return False
+    return dtype == torch.float32 or quantization is not None or (use_onednn and onednn.available(device))
 
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
