@@ -13,7 +13,7 @@ import enum
 import logging
 import threading
 from collections.abc import Iterable, Mapping
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class Lifecycle(Generic[S, E]):
         return "\n".join(rows)
 
 
-class HasState(Generic[S]):
+class HasState(Protocol[S]):
     """What :meth:`Lifecycle.move` needs of a request: a mutable ``state``."""
 
     state: S
