@@ -119,12 +119,14 @@ def test_bad_drain_and_scale_commands_are_refused_before_joining_ray(argv, messa
 
 
 @pytest.mark.parametrize("command", ["drain", "scale"])
-def test_the_commands_print_their_json_and_no_spinner_off_a_terminal(kv, monkeypatch, capsys, command):
+def test_the_commands_print_their_json_and_no_spinner_off_a_terminal(kv, monkeypatch, capsys, command,
+                                                                      tmp_path):
     import json
 
     from tandem.cli.main import main
     from tandem.cluster import ray_start
 
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))  # no tandem serve of this machine's
     monkeypatch.setattr(ray_start, "RayRuntime",
                         lambda address="auto": SimpleNamespace(start=lambda: None, stop=lambda: None))
     control.publish_nodes("gw", {"decode-1": "n1"})

@@ -6,7 +6,9 @@ worker pod's pre-stop hook runs before Kubernetes removes it). ``tandem scale --
 N`` resizes a pool (new workers wait for room: an autoscaler's cue to add nodes;
 surplus ones are drained). Each request goes to the gateway through the Ray cluster
 (see ``control``); the command waits for the outcome, prints it as JSON and exits 0
-when everything was done, 1 otherwise.
+when everything was done, 1 otherwise. Without ``--ray-address`` it talks to the
+``tandem serve`` running on this machine (``local_serves``: ``--deployment`` or
+``--port`` picks one of several), else to the Ray cluster this machine belongs to.
 """
 
 from __future__ import annotations
@@ -24,10 +26,32 @@ ANSWER_MARGIN_S = 60.0  # beyond the drain timeout: exiting the actor, a group r
 
 
 def _add_connection(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ray-address", default="auto",
-                   help="the Ray cluster of the gateway (default: the one on this machine)")
+    p.add_argument("--ray-address", default=None,
+                   help="the Ray cluster of the gateway (default: that of the tandem serve "
+                   "running on this machine, else Ray's own 'auto': the cluster this node "
+                   "belongs to)")
     p.add_argument("--deployment", default=None,
-                   help="the gateway's --deployment, when several gateways share the cluster")
+                   help="the gateway's --deployment (or gateway name), when several gateways "
+                   "run on this machine or share the cluster")
+    p.add_argument("--port", type=int, default=None,
+                   help="the gateway's --port: picks one of several tandem serves on this machine")
+
+
+def _join(args: argparse.Namespace):
+    """``(RayRuntime, gateway name or None)``: Ray as ``--ray-address`` says, else that of
+    the local serve ``--deployment`` / ``--port`` pick (its gateway's name with it), else
+    Ray's ``auto``. Raises ``ValueError`` when the local serves leave it open."""
+    from tandem.cluster import local_serves
+    from tandem.cluster.ray_start import RayRuntime
+
+    if args.ray_address is not None:
+        if args.port is not None:
+            raise ValueError("--port picks a tandem serve on this machine: not with --ray-address")
+        return RayRuntime(args.ray_address), args.deployment
+    serve = local_serves.find(args.deployment, args.port)
+    if serve is None:
+        return RayRuntime("auto"), args.deployment
+    return RayRuntime(serve.ray_address, env=serve.ray_env()), serve.control_name
 
 
 def add_drain_arguments(p: argparse.ArgumentParser) -> None:
@@ -62,7 +86,6 @@ def _report(outcomes: dict[str, dict]) -> int:
 
 def scale_main(args: argparse.Namespace) -> int:
     from tandem.cluster import control
-    from tandem.cluster.ray_start import RayRuntime
 
     wanted = {role: n for role, n in (("prefill", args.prefill), ("decode", args.decode))
               if n is not None}
@@ -72,10 +95,9 @@ def scale_main(args: argparse.Namespace) -> int:
         raise ValueError("a pool needs at least one worker")
     if not (args.timeout >= 0 and args.drain_timeout >= 0):
         raise ValueError("--timeout and --drain-timeout must be >= 0")
-    runtime = RayRuntime(args.ray_address)
+    runtime, name = _join(args)
     runtime.start()
     try:
-        name = args.deployment
         if name is None:
             names = control.gateway_names()
             if len(names) != 1:
@@ -99,17 +121,16 @@ def drain_main(args: argparse.Namespace) -> int:
     import ray
 
     from tandem.cluster import control
-    from tandem.cluster.ray_start import RayRuntime
 
     if bool(args.workers) == bool(args.node or args.this_node):
         raise ValueError("name the workers to drain, or --node / --this-node (one of them)")
     if not args.timeout >= 0:
         raise ValueError(f"--timeout must be >= 0, got {args.timeout}")
-    runtime = RayRuntime(args.ray_address)
+    runtime, name = _join(args)
     runtime.start()
     try:
         node = ray.get_runtime_context().get_node_id() if args.this_node else args.node
-        targets = control.find_workers(args.workers, node, args.deployment)
+        targets = control.find_workers(args.workers, node, name)
         if not targets:
             print(f"tandem drain: no tandem worker on node {node}", file=sys.stderr)
             return 0

@@ -1,4 +1,8 @@
-"""``tandem serve``: start (or join) Ray, the pools and the gateway; drain on SIGINT/SIGTERM."""
+"""``tandem serve``: start (or join) Ray, the pools and the gateway; drain on SIGINT/SIGTERM.
+
+While it serves, it keeps a record of itself where ``tandem drain`` and ``tandem scale``
+on this machine find it (``tandem.cluster.local_serves``).
+"""
 
 from __future__ import annotations
 
@@ -60,10 +64,26 @@ def build_config(args: argparse.Namespace) -> ClusterConfig:
     return config_from_args(args, ClusterConfig, args.config_settings, {("engine", "model"): model_spec(args)})
 
 
+def local_record(cluster, host: str, port: int):
+    """What ``tandem drain`` on this machine needs to reach ``cluster``'s gateway."""
+    import os
+
+    import ray
+
+    from tandem.cluster.local_serves import LocalServe, ray_token_source
+
+    token_auth, token_path = ray_token_source()
+    return LocalServe(pid=os.getpid(), control_name=cluster.control_name,
+                      ray_address=cluster.config.ray_address or ray.get_runtime_context().gcs_address,
+                      deployment=cluster.deployment, host=host, port=port,
+                      token_auth=token_auth, token_path=token_path)
+
+
 def main(args: argparse.Namespace) -> int:
     from tandem.cluster.api_keys import check_exposure, collect_keys
     from tandem.cluster.backend import ClusterBackend
     from tandem.cluster.cluster import Cluster
+    from tandem.cluster.local_serves import recorded
     from tandem.engine.model.config import ModelConfig
     from tandem.engine.model_source import resolve_model
     from tandem.gateway.app import create_app
@@ -98,8 +118,9 @@ def main(args: argparse.Namespace) -> int:
         progress(f"ready in {time.perf_counter() - t0:.1f}s: serving {name!r} "
                  f"({config.mode}, {config.prefill_workers}P+{config.decode_workers}D) "
                  f"at http://{args.host}:{args.port}/v1")
-        serve(app, args.host, args.port, drain_timeout_s=args.drain_timeout,
-              log_level="warning", access_log=False)
+        with recorded(local_record(cluster, args.host, args.port)):
+            serve(app, args.host, args.port, drain_timeout_s=args.drain_timeout,
+                  log_level="warning", access_log=False)
     finally:
         progress("shutting down")
         cluster.shutdown()

@@ -20,7 +20,8 @@ Joining an existing cluster (``ray_address``) changes nothing: a multi-node clus
 be reachable from its other nodes, and its nodes were started by someone else. Except
 that a loopback address (a Ray on this machine kept on loopback, e.g. several nodes for
 a test) is joined with the single-node switch on: Ray otherwise rewrites ``127.0.0.1``
-into the host's network address, where such a Ray does not listen.
+into the host's network address, where such a Ray does not listen. ``env`` adds settings
+for the join (a local ``tandem serve``'s Ray token: ``local_serves``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from collections.abc import Mapping
 
 LOOPBACK = "127.0.0.1"
 SINGLE_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+AUTH_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 
 
 def loopback_interface() -> str:
@@ -68,13 +70,17 @@ class RayRuntime:
     """Ray for one ``Cluster``: joined at ``address``, or started locally on loopback.
 
     ``start()`` returns whether this object started (and so owns) the Ray instance;
-    ``stop()`` shuts an owned instance down and restores the environment.
+    ``stop()`` shuts an owned instance down and restores the environment. ``env``: set
+    in this process's environment while joined at ``address`` (``None`` values unset).
     """
 
-    def __init__(self, address: str | None = None) -> None:
+    def __init__(self, address: str | None = None,
+                 env: Mapping[str, str | None] | None = None) -> None:
         self.address = address
+        self.env = dict(env or {})
         self.owns = False
         self._saved_env: dict[str, str | None] = {}
+        self._saved_single_node: bool | None = None
 
     def start(self) -> bool:
         import ray
@@ -82,8 +88,10 @@ class RayRuntime:
         if ray.is_initialized():
             return False
         if self.address is not None:
+            env = dict(self.env)
             if is_loopback_address(self.address):
-                self._apply({SINGLE_NODE_ENV: "0"})
+                env[SINGLE_NODE_ENV] = "0"
+            self._apply(env)
             try:
                 ray.init(address=self.address, include_dashboard=False, log_to_driver=False,
                          configure_logging=False)
@@ -109,26 +117,46 @@ class RayRuntime:
             self.owns = False
         self._restore()
 
-    def _apply(self, env: Mapping[str, str]) -> None:
+    def _apply(self, env: Mapping[str, str | None]) -> None:
         from ray._private import ray_constants
 
         for name, value in env.items():
             self._saved_env.setdefault(name, os.environ.get(name))
-            os.environ[name] = value
-        # Ray reads the single-node switch once, when it is first imported; ray.init below
-        # resolves this node's address with it, so the value imported here must agree.
-        self._saved_single_node = ray_constants.ENABLE_RAY_CLUSTER
-        ray_constants.ENABLE_RAY_CLUSTER = False
+            _set_env(name, value)
+        if set(env) & set(AUTH_ENV):
+            _reload_auth_settings()
+        if env.get(SINGLE_NODE_ENV) == "0":
+            # Ray reads the single-node switch once, when it is first imported; ray.init
+            # below resolves this node's address with it, so the value imported must agree.
+            self._saved_single_node = ray_constants.ENABLE_RAY_CLUSTER
+            ray_constants.ENABLE_RAY_CLUSTER = False
 
     def _restore(self) -> None:
-        if not self._saved_env:
-            return
-        from ray._private import ray_constants
-
         for name, value in self._saved_env.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+            _set_env(name, value)
+        if set(self._saved_env) & set(AUTH_ENV):
+            _reload_auth_settings()
         self._saved_env = {}
-        ray_constants.ENABLE_RAY_CLUSTER = self._saved_single_node
+        if self._saved_single_node is not None:
+            from ray._private import ray_constants
+
+            ray_constants.ENABLE_RAY_CLUSTER = self._saved_single_node
+            self._saved_single_node = None
+
+
+def _reload_auth_settings() -> None:
+    """Make Ray read its token settings from the environment again (it keeps what it read
+    first, as its own ``ray.init`` knows when it turns token authentication on)."""
+    try:
+        from ray._raylet import AuthenticationTokenLoader, Config
+    except ImportError:  # a Ray without token authentication
+        return
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+def _set_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
