@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 
 from tandem.cluster.backend import ClusterBackend
@@ -42,6 +43,7 @@ class FakeCluster:
         self.decode = [FakeWorker("d0", "decode"), FakeWorker("d1", "decode")]
         self.driver = SimpleNamespace(num_redrives=0)
         self.router = SimpleNamespace(decisions={})
+        self.migrations = SimpleNamespace(registry=CollectorRegistry())
         self.replacements = 0
         self.placement: dict = {}  # worker id -> NodePlacement
         self.serving = True

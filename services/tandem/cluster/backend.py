@@ -42,4 +42,5 @@ class ClusterBackend:
             ready[w.role] = ready.get(w.role, 0) + int(w.load().alive)
         own = cluster_families(c.router.decisions, c.driver.num_redrives, c.replacements, ready)
         own.append(placement_family(c.prefill + c.decode, c.placement))
+        own += c.migrations.registry.collect()
         return own + snap.worker_families

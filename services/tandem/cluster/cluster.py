@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import itertools
@@ -20,6 +21,7 @@ from tandem.cluster import attach, control, cpu_sizing, drain, placement
 from tandem.cluster import scale as resize
 from tandem.cluster.drain import DRAIN_TIMEOUT_S, DrainReport
 from tandem.cluster.handles import RayDecode, RayPrefill, is_transient
+from tandem.cluster.migrate import Migrations
 from tandem.cluster.ray_start import RayRuntime
 from tandem.decode.worker import DecodeWorker
 from tandem.prefill.worker import PrefillWorker
@@ -73,6 +75,7 @@ class Cluster:
         self._ray = RayRuntime(config.ray_address)  # a Ray started here listens on loopback only
         self.replacements = 0
         self.rebuilds = 0
+        self.migrations = Migrations(self)
         self._serving = threading.Event()  # cleared while the transfer group is rebuilt
         self._membership = threading.RLock()  # one heal, drain or resize at a time
         self._serving.set()
@@ -133,7 +136,8 @@ class Cluster:
             self.prefill + self.decode)
         self.driver = RequestDriver(self.router, max_attempts=cfg.max_attempts,
                                     layer_group_size=cfg.layer_group_size, checksum=cfg.checksum,
-                                    wait_until_serving=self.wait_until_serving)
+                                    wait_until_serving=self.wait_until_serving,
+                                    on_moved=self.migrations.record)
         self._start_refresher()
         if not self._first_refresh.wait(timeout_s):
             raise TimeoutError(f"no worker loads within {timeout_s:g}s")
@@ -198,13 +202,16 @@ class Cluster:
             log.warning("publishing the workers' nodes failed", exc_info=True)
 
     def _connect(self, timeout_s: float) -> None:
-        """Check every P-D pair's KV layout, then build one transfer group over all of them."""
+        """Check every pair's KV layout, then build one transfer group over all of them."""
         pre, dec = self.prefill, self.decode
         p_compat = ray.get([w.actor.compatibility.remote() for w in pre], timeout=timeout_s)
         d_compat = ray.get([w.actor.compatibility.remote() for w in dec], timeout=timeout_s)
-        for p, pc in zip(pre, p_compat):
+        others = list(zip(pre, p_compat)) + (list(zip(dec, d_compat)) if self.config.kv_migration
+                                               else [])
+        for p, pc in others:
             for d, dc in zip(dec, d_compat):
-                dc.check(pc, ours=d.worker_id, theirs=p.worker_id)
+                if p is not d:
+                    dc.check(pc, ours=d.worker_id, theirs=p.worker_id)
         for rank, w in enumerate(pre + dec):  # contiguous again after a worker left
             w.rank = rank
         ranks = [w.rank for w in pre]
@@ -212,7 +219,8 @@ class Cluster:
         uuids = ray.get([w.actor.device_uuid.remote() for w in pre + dec], timeout=timeout_s)
         transports = pair_transports(
             str(self.config.transfer_backend), cuda, {w.rank: u for w, u in zip(pre + dec, uuids)},
-            ranks, [w.rank for w in dec], {w.rank: w.worker_id for w in pre + dec})
+            ranks, [w.rank for w in dec], {w.rank: w.worker_id for w in pre + dec},
+            migration=self.config.kv_migration)
         world, group = len(pre) + len(dec), f"tandem-kv-{uuid.uuid4().hex[:8]}"
         in_place = self.config.kv_in_place_min_bytes
         op_timeout = self.config.transfer_timeout_s  # every send/recv of the group is bounded
@@ -287,6 +295,12 @@ class Cluster:
         """Take a worker out of the cluster without cutting a stream (a scale-down): see
         ``tandem.cluster.drain``."""
         return drain.drain_worker(self, worker_id, timeout_s)
+
+    def migrate(self, request_id: str, to: str | None = None) -> concurrent.futures.Future:
+        """Move a running request to another decode worker with its KV (``to``, or the
+        one the router picks); the future gets its ``MoveResult`` (see
+        ``tandem.cluster.migrate``)."""
+        return self.migrations.migrate(request_id, to)
 
     def scale(self, role: str, workers: int, timeout_s: float = resize.ADD_TIMEOUT_S,
               drain_timeout_s: float = DRAIN_TIMEOUT_S) -> resize.ScaleReport:

@@ -1,13 +1,17 @@
 """Scale-down without cutting a stream: a worker drained out of a running cluster.
 
-``drain_worker`` takes one worker out in three steps:
+``drain_worker`` takes one worker out in four steps:
 
 1. the router forgets it, so no new request is placed there; it leaves its pool, so
    neither the healer nor ``/ready`` counts it any more;
-2. the requests running there finish in place, for up to the drain timeout (the
-   gateway's own count of its requests there, ``RayDecode.active``, and the worker's
-   load must both be empty, twice, one refresh apart);
-3. the actor exits. Requests still running then fail on it and take the re-drive path
+2. a decode worker's running requests move to the others with their KV
+   (``Cluster.migrations``, where the decode workers are connected): their streams go
+   on after a pause of a step or two, nothing prefilled again;
+3. the requests still there (a move failed, or no other worker had room) finish in
+   place, for up to the drain timeout (the gateway's own count of its requests there,
+   ``RayDecode.active``, and the worker's load must both be empty, twice, one refresh
+   apart);
+4. the actor exits. Requests still running then fail on it and take the re-drive path
    (``RequestDriver``): each goes on on another worker of the pool with its prompt plus
    the tokens already sent, and the client's stream continues without a gap or a repeat.
 
@@ -41,13 +45,15 @@ GROUP_TIMEOUT_S = 60.0
 
 @dataclasses.dataclass(frozen=True)
 class DrainReport:
-    """How a drain went: ``idle`` when every request finished in place; otherwise the
-    ``redriven`` requests still on the worker moved to others when its actor exited."""
+    """How a drain went: ``migrated`` requests moved off with their KV; ``idle`` when the
+    rest finished in place; otherwise the ``redriven`` requests still on the worker went
+    on elsewhere (prefilled again) when its actor exited."""
 
     worker_id: str
     idle: bool
     redriven: int
     seconds: float
+    migrated: int = 0
 
 
 def drain_worker(cluster: Cluster, worker_id: str,
@@ -80,7 +86,9 @@ def drain_worker(cluster: Cluster, worker_id: str,
         cluster.publish_placement()
         cluster.draining[worker_id] = worker  # a shutdown meanwhile stops it too
     try:
-        idle = _wait_idle(worker, t0 + timeout_s)
+        moved = 0 if is_prefill else sum(
+            r.outcome == "migrated" for r in cluster.migrations.move_off(worker))
+        idle = _wait_idle(worker, max(t0 + timeout_s, time.monotonic()))
         running = set(getattr(worker, "active", ()))  # re-driven when the actor goes...
         finished = getattr(worker, "num_finished", 0)
         with cluster._membership:
@@ -91,8 +99,11 @@ def drain_worker(cluster: Cluster, worker_id: str,
         left = _not_finished_there(worker, running, finished) if running else 0
     finally:
         cluster.draining.pop(worker_id, None)
-    report = DrainReport(worker_id, idle, left, time.monotonic() - t0)
+    if not is_prefill and cluster.migrations.available:
+        cluster.migrations.fell_back(left)
+    report = DrainReport(worker_id, idle, left, time.monotonic() - t0, moved)
     cluster._progress(f"drained {worker_id} in {report.seconds:.1f}s" + (
+        f" ({moved} requests moved with their KV)" if moved else "") + (
         "" if idle else f" ({report.redriven} requests still running were re-driven)"))
     return report
 

@@ -12,6 +12,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from tandem.common.sampling_params import SamplingParams
 from tandem.cluster.feed_reader import FeedReader
 from tandem.decode.feed import FeedClosedError, StreamError, within_stall
+from tandem.decode.migration import MigrationError
 from tandem.decode.worker import TransferFailedError
 from tandem.engine.engine_loop import EngineLoopStopped
 from tandem.prefill.worker import PrefillTimeoutError
@@ -80,7 +81,7 @@ class RayWorker:
 
     def _translate_cause(self, cause: BaseException) -> BaseException:
         """A worker's own exception as the router's: re-drive, retry later, or fail."""
-        if isinstance(cause, (TransferFailedError, ChannelBrokenError)):
+        if isinstance(cause, (TransferFailedError, ChannelBrokenError, MigrationError)):
             return TransferError(str(cause))
         if isinstance(cause, EngineLoopStopped):
             return WorkerLostError(self.worker_id, f"{self.role} worker {self.worker_id}: "
@@ -168,6 +169,15 @@ class RayDecode(RayWorker):
                 reader.close()
             reader = self._readers[loop] = FeedReader(self.actor, self.worker_id, self._translate)
         return reader
+
+    async def migrate(self, method: str, *args):
+        """One step of moving a request (``decode/migration.py``: ``migrate_begin``, ...),
+        its failures translated; bounded like a cleanup call."""
+        try:
+            return await _within(_quiet(getattr(self.actor, method)).remote(*args),
+                                 CLEANUP_TIMEOUT_S)
+        except Exception as e:
+            raise self._translate(e) from e
 
     async def abort(self, request_id: str, transfer_id: str | None = None) -> None:
         args = (request_id,) if transfer_id is None else (request_id, transfer_id)

@@ -341,6 +341,9 @@ class ClusterConfig:
         "help": "KV transport: nccl on GPUs, gloo on CPU; auto picks by device"})
     layer_group_size: int | None = field(default=2, metadata={"help": "layers per streamed KV group; -1: all layers in one group"})
     checksum: bool = field(default=False, metadata={"help": "checksum every KV payload"})
+    kv_migration: bool = field(default=True, metadata={
+        "help": "connect the decode workers to each other, so a running request moves to "
+                "another with its KV (drain, rebalancing) instead of being prefilled again"})
     transfer_timeout_s: float = field(default=30.0, metadata={"help": "KV transfer timeout, seconds"})
     # KV runs consecutive on both sides go in place (no staging copies) when their mean
     # (layer, K|V) plane is at least this many bytes; None: always gather.

@@ -135,6 +135,34 @@ def worker_metrics(role: str, worker: str,
     return m, r
 
 
+MIGRATION_OUTCOMES = ("migrated", "failed", "fell_back")
+
+
+@dataclass
+class MigrationMetrics:
+    """Moves of running requests between decode workers, observed in the gateway process:
+    ``migrated`` (moved with their KV), ``failed`` (stayed where they were), ``fell_back``
+    (re-driven: prefilled again elsewhere, after a failed move on a drain)."""
+
+    moves: Counter
+    pause: Histogram
+    kv_bytes: Counter
+
+
+def migration_metrics(registry: CollectorRegistry | None = None) -> MigrationMetrics:
+    r = registry if registry is not None else CollectorRegistry()
+    m = MigrationMetrics(
+        moves=Counter(f"{PREFIX}migrations", "Moves of running requests between decode workers, "
+                      "by outcome", ("outcome",), registry=r),
+        pause=Histogram(f"{PREFIX}migration_pause_seconds", "Longest gap between two tokens a "
+                        "client saw across a move", buckets=LATENCY_BUCKETS, registry=r),
+        kv_bytes=Counter(f"{PREFIX}migration_kv_bytes", "KV bytes copied by moves",
+                         registry=r))
+    for outcome in MIGRATION_OUTCOMES:
+        m.moves.labels(outcome)  # each outcome exported from the start, at 0
+    return m
+
+
 def cluster_families(decisions: dict[str, int], redrives: int, replacements: int,
                      ready: dict[str, int]) -> list[Metric]:
     """Counts the cluster keeps (router decisions, re-drives, replacements, live workers)."""
@@ -158,8 +186,9 @@ def cluster_families(decisions: dict[str, int], redrives: int, replacements: int
 def exported_names() -> set[str]:
     """Every sample name the code can export (dashboards and rules are checked against it)."""
     names: set[str] = set()
-    registries = [CollectorRegistry(), worker_metrics("prefill", "w")[1]]
+    registries = [CollectorRegistry(), worker_metrics("prefill", "w")[1], CollectorRegistry()]
     gateway_metrics(registries[0])
+    migration_metrics(registries[2])
     families = [f for reg in registries for f in reg.collect()]
     families += cluster_families({"remote": 0}, 0, 0, {"decode": 0})
     for family in families:

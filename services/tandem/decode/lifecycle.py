@@ -8,7 +8,12 @@ one object that holds everything the worker knows about it.
      released ◀──freed── releasing ◀── any end, from every state above     released             released
 
 A request prefilled here (a re-drive, or conditional mode's short prompts) starts in
-``decoding``. Every end (abort, client gone, transfer failed, timeout, stream closed,
+``decoding``. A request moving to another decode worker with its KV goes ``decoding
+──migrate──▶ migrating_out``: it keeps decoding while its full blocks are copied, then
+pauses for the last ones; ``migrated`` (the destination committed) releases it without
+an abort reaching its stream, ``rolled_back`` returns it to ``decoding``. On the
+destination it is opened ``reserving ──migration_reserved──▶ migrating_in ──commit──▶
+decoding``. Every end (abort, client gone, transfer failed, timeout, stream closed,
 shutdown) moves a live request to ``releasing``: its transfer is aborted first (no write in
 flight, later groups drained), then ``freed`` frees its blocks. ``finished`` is the engine
 ending it (its blocks freed with it). Those two, and ``refused`` (a reservation undone
@@ -34,6 +39,8 @@ class DecodeState(enum.Enum):
     RECEIVING = enum.auto()  # start() waiting for the KV (bounded)
     COMMITTED = enum.auto()  # KV complete: joins the batch with token #1 next
     DECODING = enum.auto()  # in the engine's batch, tokens streaming
+    MIGRATING_OUT = enum.auto()  # its KV being copied to another decode worker
+    MIGRATING_IN = enum.auto()  # blocks held for a request moving here, its KV arriving
     RELEASING = enum.auto()  # ending: transfer aborted and drained, then blocks freed
     RELEASED = enum.auto()  # blocks freed; the request is forgotten
 
@@ -54,11 +61,16 @@ class DecodeEvent(enum.Enum):
     STREAM_CLOSED = enum.auto()  # start() failed or was cancelled
     SHUTDOWN = enum.auto()
     FREED = enum.auto()  # the release freed its blocks
+    MIGRATE = enum.auto()  # its move to another decode worker began
+    MIGRATED = enum.auto()  # the destination committed it: this copy goes
+    ROLLED_BACK = enum.auto()  # the move failed or timed out: it decodes here again
+    MIGRATION_RESERVED = enum.auto()  # blocks taken for a request moving here
 
 
 S, E = DecodeState, DecodeEvent
 ENDS = (E.ABORT, E.CLIENT_GONE, E.TRANSFER_FAILED, E.TIMEOUT, E.STREAM_CLOSED, E.SHUTDOWN)
-_LIVE = (S.RESERVING, S.RESERVED, S.RECEIVING, S.COMMITTED, S.DECODING)
+_LIVE = (S.RESERVING, S.RESERVED, S.RECEIVING, S.COMMITTED, S.DECODING, S.MIGRATING_OUT,
+         S.MIGRATING_IN)
 
 TABLE: dict[tuple[DecodeState, DecodeEvent], DecodeState] = {
     (S.RESERVING, E.RESERVED): S.RESERVED,
@@ -71,6 +83,14 @@ TABLE: dict[tuple[DecodeState, DecodeEvent], DecodeState] = {
     (S.COMMITTED, E.FINISHED): S.RELEASED,  # token #1 ended it as it joined
     (S.DECODING, E.TOKEN): S.DECODING,
     (S.DECODING, E.FINISHED): S.RELEASED,
+    (S.DECODING, E.MIGRATE): S.MIGRATING_OUT,
+    (S.MIGRATING_OUT, E.TOKEN): S.MIGRATING_OUT,  # it decodes on during the pre-copy
+    (S.MIGRATING_OUT, E.FINISHED): S.RELEASED,  # ended here first: nothing to move
+    (S.MIGRATING_OUT, E.ROLLED_BACK): S.DECODING,
+    (S.MIGRATING_OUT, E.MIGRATED): S.RELEASING,
+    (S.RESERVING, E.MIGRATION_RESERVED): S.MIGRATING_IN,
+    (S.MIGRATING_IN, E.GROUP_ARRIVED): S.MIGRATING_IN,
+    (S.MIGRATING_IN, E.COMMIT): S.DECODING,
     **{(s, e): S.RELEASING for s in _LIVE for e in ENDS},
     **{(S.RELEASING, e): S.RELEASING for e in ENDS},  # already ending: the same release answers
     (S.RELEASING, E.FREED): S.RELEASED,
@@ -92,6 +112,7 @@ class HeldRequest:
     # later calls for the same request id waiting for this attempt's release; an abort of
     # the request marks them ended (``_Waiter.ended``)
     waiters: list = field(default_factory=list)
+    migration: Any = None  # the move out of here under way (``decode/migration.py``)
 
     def move(self, event: DecodeEvent) -> bool:
         return LIFECYCLE.move(self, event, self.request_id)

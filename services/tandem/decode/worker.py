@@ -27,9 +27,11 @@ from tandem.protocol.messages import (KVTransferDescriptor,
                                         TransferStatus, layer_groups)
 from tandem.decode.feed import FeedItem, Feeds, delta_of
 from tandem.decode.lifecycle import LIFECYCLE, DecodeEvent as E, DecodeState as S, HeldRequest
+from tandem.decode.migration import MigrationEnds
 from tandem.protocol.request_path import DecodeRequest, TokenDelta
-from tandem.transfer.endpoint import make_receiver, open_channel
+from tandem.transfer.endpoint import make_receiver, make_sender, open_channel
 from tandem.transfer.receiver import KVReceiver
+from tandem.transfer.sender import KVSender
 from tandem.worker.engine_worker import EngineWorker
 from tandem.worker.decode_board import SLOTS, DecodeBoard
 from tandem.worker.threads import ElasticThreads
@@ -48,7 +50,7 @@ class _Waiter:
     ended = False
 
 
-class DecodeWorker(EngineWorker):
+class DecodeWorker(MigrationEnds, EngineWorker):
     """Wrap with ``ray.remote`` (async actor); one engine, one receiver.
 
     Each request it holds is one :class:`HeldRequest` in ``requests``, moved through
@@ -59,7 +61,8 @@ class DecodeWorker(EngineWorker):
     drained; only then are the blocks freed. Every way a request ends (``abort``, its
     feed closed at any point, a failed or timed-out transfer, cancellation during
     ``reserve``) goes through :meth:`_end`: one release task per request, which later
-    callers await.
+    callers await. A running request moves to another decode worker with its KV by the
+    calls of :class:`MigrationEnds` (``decode/migration.py``).
     """
 
     def __init__(self, worker_id: str, config: EngineConfig, transfer_timeout_s: float = 30.0,
@@ -72,6 +75,8 @@ class DecodeWorker(EngineWorker):
         self.threads = ElasticThreads(self.num_threads, burst_threads)
         self.board, self._slot = self._open_board(board, worker_id)
         self.receiver: KVReceiver | None = None
+        self.sender: KVSender | None = None  # to the other decode workers (migration)
+        self._sends: dict[str, asyncio.Future] = {}  # migration rounds in flight, by transfer id
         self.rank: int | None = None
         self.transfer_timeout_s = transfer_timeout_s
         self.requests: dict[str, HeldRequest] = {}  # the attempt held of each request id
@@ -109,19 +114,28 @@ class DecodeWorker(EngineWorker):
                             group_name: str, prefill_ranks: Sequence[int],
                             timeout_ms: int = 30_000, op_timeout_s: float = 30.0) -> int:
         """Become ``rank`` of the transfer group, receiving from ``prefill_ranks`` over the
-        transports named in ``transports``; returns once every pair is connected."""
+        transports named in ``transports``; returns once every pair is connected. The
+        other decode ranks among ``transports`` are the peers requests move to and from
+        (optional: losing one fails only the moves with it)."""
+        peers = [p for p in transports if p not in prefill_ranks]
         channel = open_channel(transports, world_size, rank, group_name, self.sync,
-                               senders=prefill_ranks, timeout_ms=timeout_ms,
-                               op_timeout_s=op_timeout_s)
-        self.receiver = make_receiver(channel, self.engine, prefill_ranks)
+                               senders=[*prefill_ranks, *(p for p in peers if p < rank)],
+                               timeout_ms=timeout_ms, op_timeout_s=op_timeout_s, optional=peers)
+        self.receiver = make_receiver(channel, self.engine, [*prefill_ranks, *peers])
+        if peers:
+            self.sender = make_sender(channel, self.engine, self._on_migration_sent,
+                                      receivers=peers)
         self.rank = rank
         return rank
 
     def leave_transfer_group(self) -> None:
         """Leave the group; transfers still in flight fail (and their requests are re-driven)."""
+        sender, self.sender = self.sender, None
         if self.receiver is not None:
             receiver, self.receiver = self.receiver, None
             receiver.channel.close()
+        if sender is not None:
+            sender.close()
 
     def transfer_broken(self) -> str | None:
         receiver = self.receiver
@@ -250,6 +264,9 @@ class DecodeWorker(EngineWorker):
         if not await self._settled(rid):
             raise TransferFailedError(f"{rid}: ended on {self.worker_id} before it started")
         index = 1 if req.descriptor is not None else len(req.output_token_ids)
+        if req.migrated:
+            await self._start_migrated(req, subscriber)
+            return None
         if req.descriptor is None and rid in self.requests:
             raise TransferFailedError(f"{rid}: already held on {self.worker_id}")
         self.loop.open_stream(rid, *self.feeds.attach(rid, subscriber, index))
@@ -335,7 +352,7 @@ class DecodeWorker(EngineWorker):
         """Its feed sent the request's last delta or error: the engine ended it (its blocks
         freed), unless a release is already doing that."""
         req = self.requests.get(request_id)
-        if req is not None and req.state in (S.COMMITTED, S.DECODING):
+        if req is not None and req.state in (S.COMMITTED, S.DECODING, S.MIGRATING_OUT):
             self._move(req, E.FINISHED)
 
     def _end(self, request_id: str, event: E) -> asyncio.Future:
@@ -356,6 +373,9 @@ class DecodeWorker(EngineWorker):
         if req.reserving is not None:
             with contextlib.suppress(BaseException):
                 await req.reserving
+        moved = await self._outbound_settled(req)  # a round still reading its blocks
+        if moved:  # its stream goes on from the destination: nothing more of it here
+            self.feeds.detach(request_id)
         receiver, req.receiver = req.receiver, None
         if receiver is not None:
             self._retune_threads()
@@ -367,9 +387,9 @@ class DecodeWorker(EngineWorker):
             log.warning("could not free %s on %s: %s", request_id, self.worker_id, e)
             out = None
         self._move(req, E.FREED)
-        if out is not None:
+        if out is not None and not moved:
             self.loop.dispatch([out])  # a stream still read ends with ``abort``
-        self.feeds.detach(request_id, drop_pending=out is None)
+        self.feeds.detach(request_id, drop_pending=out is None or moved)
 
     async def _settled(self, request_id: str) -> bool:
         """Wait for an earlier release of the same request id (a re-drive to this worker);

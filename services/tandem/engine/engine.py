@@ -355,6 +355,54 @@ class LLMEngine:
         seq = self.scheduler.admit_imported(request_id)
         return self._append_token(seq, SampledToken(first_token, None))
 
+    # -- migration between decode workers ----------------------------------------
+    def reserve_migration(self, request_id: str, prompt_token_ids: Seq[int],
+                          params: SamplingParams, num_tokens: int) -> list[int] | None:
+        """Decode role, destination: take blocks for ``num_tokens`` tokens of a request
+        moving here with its KV; None if full. Joins the batch by ``commit_migrated``."""
+        self.validate(prompt_token_ids, params)
+        if self.scheduler.get(request_id) is not None:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seq = Sequence(request_id, list(prompt_token_ids), params)
+        if not self.scheduler.reserve(seq, num_tokens):
+            return None
+        return list(seq.block_ids)
+
+    def grow_reservation(self, request_id: str, num_tokens: int) -> list[int] | None:
+        """A reservation's block table, grown to hold ``num_tokens`` tokens (a moving
+        request decoded on meanwhile); None when the blocks are not free."""
+        seq = self.scheduler.reserved[request_id]
+        if not self.scheduler.kv.allocate(seq, num_tokens):
+            return None
+        return list(seq.block_ids)
+
+    def commit_migrated(self, request_id: str, output_token_ids: Seq[int],
+                        num_computed_tokens: int) -> bool:
+        """Join a reservation holding a moved request's KV to the batch, its outputs so far
+        ``output_token_ids``; decoding resumes with the token after them. False when the
+        blocks for the next token are not free (the reservation is kept)."""
+        return self.scheduler.admit_migrated(request_id, output_token_ids,
+                                             num_computed_tokens) is not None
+
+    def pause(self, request_id: str) -> Sequence:
+        """Decode role, source: take a request that is decoding out of the batch, its
+        blocks kept, for the last copy of its KV; ``resume`` undoes it, ``abort`` frees it.
+        Raises ``ValueError`` when it is not between two decode steps."""
+        seq = self.scheduler.get(request_id)
+        if seq is None or seq.status != SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
+            state = "gone" if seq is None else seq.status.name.lower()
+            raise ValueError(f"request {request_id!r} is not decoding ({state})")
+        self.scheduler.pause(seq)
+        return seq
+
+    def resume(self, request_id: str) -> bool:
+        """Put a paused request back into the batch; False when it is not paused."""
+        seq = self.scheduler.paused.get(request_id)
+        if seq is None:
+            return False
+        self.scheduler.resume(seq)
+        return True
+
     def cancel_reserved(self, request_id: str) -> bool:
         """Free the blocks of a reservation whose transfer failed or was aborted."""
         return self.scheduler.cancel_reservation(request_id)
@@ -371,5 +419,5 @@ class LLMEngine:
                     waiting=len(sched.waiting), queued_prefill_tokens=queued,
                     max_num_seqs=self.config.scheduler.max_num_seqs,
                     prefill_tokens_per_s=self.prefill_rate.tokens_per_s(torch.get_num_threads()),
-                    held=len(sched.prefilled) + len(sched.reserved),
+                    held=len(sched.prefilled) + len(sched.reserved) + len(sched.paused),
                     request_ids=frozenset(sched.seqs))

@@ -65,6 +65,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.prefilled: dict[str, Sequence] = {}  # prefill role: KV held for export
         self.reserved: dict[str, Sequence] = {}  # decode role: blocks awaiting imported KV
+        self.paused: dict[str, Sequence] = {}  # decode role: KV being copied to another worker
         self.seqs: dict[str, Sequence] = {}  # every unfinished sequence by id
         self.num_preemptions = 0
 
@@ -77,16 +78,17 @@ class Scheduler:
         self.seqs[seq.seq_id] = seq
         self.waiting.append(seq)
 
-    def reserve(self, seq: Sequence) -> bool:
-        """Decode role: hold blocks for the prompt's KV, to arrive from a prefill worker.
+    def reserve(self, seq: Sequence, num_tokens: int | None = None) -> bool:
+        """Decode role: hold blocks for ``num_tokens`` (default: the prompt's) tokens of KV,
+        to arrive from a prefill worker (or a decode worker, for a migration).
 
-        The sequence is RESERVED (not scheduled) until :meth:`admit_imported`;
-        :meth:`cancel_reservation` or :meth:`finish` frees it. False when the
-        blocks are not free (nothing is held then).
+        The sequence is RESERVED (not scheduled) until :meth:`admit_imported` or
+        :meth:`admit_migrated`; :meth:`cancel_reservation` or :meth:`finish` frees it.
+        False when the blocks are not free (nothing is held then).
         """
         if seq.seq_id in self.seqs:
             raise ValueError(f"duplicate sequence id {seq.seq_id!r}")
-        if not self.kv.reserve(seq, seq.num_prompt_tokens):
+        if not self.kv.reserve(seq, seq.num_prompt_tokens if num_tokens is None else num_tokens):
             return False
         seq.status = SequenceStatus.RESERVED
         self.seqs[seq.seq_id] = seq
@@ -105,6 +107,41 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         return seq
+
+    def admit_migrated(self, seq_id: str, output_token_ids: Seq[int],
+                       num_computed_tokens: int) -> Sequence | None:
+        """Join a RESERVED sequence whose KV arrived from another decode worker to the batch:
+        it has generated ``output_token_ids``, the KV of its first ``num_computed_tokens``
+        tokens is in its blocks. Blocks past what it needs now go back to the pool. None
+        (the reservation kept) when the blocks for its next token are not free."""
+        seq = self.reserved[seq_id]
+        seq.output_token_ids = list(output_token_ids)
+        seq.num_computed_tokens = num_computed_tokens
+        if not self.kv.allocate(seq, seq.num_tokens - num_computed_tokens):
+            return None
+        keep = blocks_needed(seq.num_tokens, self.kv.block_size)
+        if len(seq.block_ids) > keep:
+            self.kv.pool.free(reversed(seq.block_ids[keep:]))
+            del seq.block_ids[keep:]
+        del self.reserved[seq_id]
+        seq.imported = True
+        self.kv.cache_full_blocks(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return seq
+
+    def pause(self, seq: Sequence) -> None:
+        """Decode role: take a RUNNING sequence out of the batch, its blocks kept (their KV
+        is being copied out) until :meth:`resume` or :meth:`finish`."""
+        self.running.remove(seq)
+        seq.status = SequenceStatus.PAUSED
+        self.paused[seq.seq_id] = seq
+
+    def resume(self, seq: Sequence) -> None:
+        """Back into the batch, where it left off."""
+        del self.paused[seq.seq_id]
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
 
     def cancel_reservation(self, seq_id: str) -> bool:
         """Free a reservation whose KV will not come; False when there is none."""
@@ -131,6 +168,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status == SequenceStatus.RESERVED:
             del self.reserved[seq.seq_id]
+        elif seq.status == SequenceStatus.PAUSED:
+            del self.paused[seq.seq_id]
         else:
             self.prefilled.pop(seq.seq_id, None)
         self.kv.free(seq)

@@ -10,13 +10,15 @@ from tandem.common.sampling_params import FinishReason, SamplingParams
 
 
 class SequenceStatus(enum.IntEnum):
-    """Ordered lifecycle: a sequence only moves forward, except preemption (RUNNING -> WAITING)."""
+    """Ordered lifecycle: a sequence only moves forward, except preemption (RUNNING -> WAITING)
+    and a migration rolled back (PAUSED -> RUNNING)."""
 
     WAITING = 0  # queued; holds no blocks (or only prefix-cache hits while being admitted)
     RESERVED = 1  # decode role: blocks held for KV arriving from a prefill worker; not scheduled
     RUNNING = 2  # scheduled each step: prefill chunks, then one decode token per step
-    PREFILLED = 3  # prefill role: token #1 sampled, KV held for export until released
-    RELEASED = 4  # finished or aborted: blocks freed (the workers' RELEASED)
+    PAUSED = 3  # decode role: out of the batch, KV held while it is copied to another worker
+    PREFILLED = 4  # prefill role: token #1 sampled, KV held for export until released
+    RELEASED = 5  # finished or aborted: blocks freed (the workers' RELEASED)
 
 
 @dataclass(eq=False)

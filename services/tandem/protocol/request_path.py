@@ -149,6 +149,9 @@ class DecodeRequest:
     prompt + these and continues; its deltas start at ``index ==
     len(output_token_ids)``). ``descriptor`` is the transfer D reserved blocks
     for; ``None`` means D prefills locally (conditional disaggregation, re-drive).
+    ``migrated``: the request moved here from another decode worker, whose KV for
+    every token but the last is in the blocks D reserved for it (``descriptor``, if
+    set, names the last round of that copy); D continues after ``output_token_ids``.
     """
 
     request_id: str
@@ -156,6 +159,7 @@ class DecodeRequest:
     sampling_params: SamplingParams
     output_token_ids: tuple[int, ...] = ()
     descriptor: KVTransferDescriptor | None = None
+    migrated: bool = False
 
     def __post_init__(self) -> None:
         _check_request_id(self.request_id)
@@ -167,7 +171,7 @@ class DecodeRequest:
 
     @property
     def prefill_locally(self) -> bool:
-        return self.descriptor is None
+        return self.descriptor is None and not self.migrated
 
     @property
     def num_output_tokens(self) -> int:

@@ -5,7 +5,8 @@ implements them over Ray actors; tests can use fakes). Token #1 comes from
 P and is yielded at once; D continues from token 2. A dead worker or a failed
 transfer re-drives the request: before token #1 from the start, after it on
 another decode worker with prompt + tokens so far, and the caller's stream goes
-on with no token lost or repeated (deltas carry their output index).
+on with no token lost or repeated (deltas carry their output index). A running
+request moves to another decode worker with its KV on ``migrate`` (``migration.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from tandem.common.sampling_params import SamplingParams
 from tandem.protocol.messages import KVTransferDescriptor
 from tandem.protocol.request_path import DecodeRequest, PrefillRequest, PrefillResult, TokenDelta
 from tandem.router.errors import ClusterFullError
+from tandem.router.migration import FAILED, Follow, Move, MoveResult
 from tandem.router.router import Router
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,7 @@ class PrefillOps(Protocol):
 
 class DecodeOps(Protocol):
     worker_id: str
+    rank: int | None
 
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int],
                       params: SamplingParams, src_rank: int, transfer_id: str,
@@ -62,6 +65,8 @@ class DecodeOps(Protocol):
     async def abort(self, request_id: str, transfer_id: str | None = None) -> None:
         """End the request here; ``transfer_id`` names the attempt's reservation, which
         is refused should its ``reserve`` run after this abort."""
+    async def migrate(self, method: str, *args):
+        """One step of moving a request between decode workers (``decode/migration.py``)."""
 
 
 class RequestDriver:
@@ -69,16 +74,37 @@ class RequestDriver:
 
     def __init__(self, router: Router, *, max_attempts: int = 3,
                  layer_group_size: int | None = None, checksum: bool = False,
-                 wait_until_serving: Callable[[], Awaitable[None]] | None = None) -> None:
+                 wait_until_serving: Callable[[], Awaitable[None]] | None = None,
+                 on_moved: Callable[[MoveResult], None] | None = None) -> None:
         """``wait_until_serving()`` returns once the cluster can serve again (bounded;
         e.g. a transfer group rebuild finished): a re-drive awaits it first instead of
-        spending its attempts against a group that is being rebuilt."""
+        spending its attempts against a group that is being rebuilt. ``on_moved(result)``
+        hears how each move ended."""
         self.router = router
         self.max_attempts = max_attempts
         self.layer_group_size = layer_group_size
         self.checksum = checksum
         self.wait_until_serving = wait_until_serving
         self.num_redrives = 0
+        self._on_move_ended = on_moved
+        self._moves: dict[str, Move] = {}  # moves asked for, until the request's stream takes them
+
+    def migrate(self, request_id: str, dst: DecodeOps) -> Move:
+        """Ask that a running request move to ``dst`` with its KV; its stream runs the move
+        at its next token. ``Move.done`` (a thread-safe future) gets the ``MoveResult``.
+        Call on the event loop the requests run on."""
+        if self.router.decode_of(request_id) is None:
+            raise KeyError(f"request {request_id!r} is not in flight")
+        if request_id in self._moves:
+            raise ValueError(f"request {request_id!r} is moving already")
+        move = self._moves[request_id] = Move(request_id, dst,
+                                               transfer_id=transfer_id(request_id, 0) + ".m")
+        move.done.add_done_callback(lambda f: self._on_move_ended and self._on_move_ended(f.result()))
+        return move
+
+    def _moved(self, result: MoveResult, src: DecodeOps, dst: DecodeOps) -> None:
+        """A request's stream comes from ``dst`` now (it moved off ``src``)."""
+        self.router.moved(result.request_id, dst)
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int],
                        params: SamplingParams) -> AsyncIterator[TokenDelta]:
@@ -112,6 +138,9 @@ class RequestDriver:
                         request_id, exclude=lost, prompt_token_ids=prompt + tuple(produced),
                         max_tokens=max(1, max_tokens - len(produced)), resume=bool(produced))
         finally:
+            move = self._moves.pop(request_id, None)  # asked for, never taken up
+            if move is not None:
+                move.finish(FAILED, "the request ended before it moved")
             self.router.complete(request_id)
 
     async def _attempt(self, rid: str, prompt: tuple[int, ...], params: SamplingParams,
@@ -120,6 +149,7 @@ class RequestDriver:
         prefill: PrefillOps | None = decision.prefill
         finished = False
         tid = None
+        follow: Follow | None = None
         try:
             if prefill is None or produced:  # local prefill, or re-drive after token #1
                 req = DecodeRequest(rid, prompt, params, output_token_ids=tuple(produced))
@@ -143,16 +173,16 @@ class RequestDriver:
                 yield TokenDelta(rid, (result.first_token_id,), 0, logprobs=lp)
                 req = DecodeRequest(rid, prompt, params,
                                     output_token_ids=(result.first_token_id,), descriptor=desc)
-            received = len(req.output_token_ids)
-            async with aclosing(decode.decode(req)) as stream:
+            follow = Follow(rid, prompt, params, decode, req, self._moves, self._moved,
+                            self.checksum)
+            async with aclosing(follow.deltas()) as stream:
                 async for delta in stream:
-                    delta = delta.after(received)
-                    if delta is None:
-                        continue
-                    received, finished = delta.next_index, delta.finished
+                    finished = delta.finished
                     yield delta
         finally:
             if not finished:  # the caller left or a worker failed: free D's blocks and slot
+                if follow is not None and follow.current is not decode:
+                    decode, tid = follow.current, None  # it moved: the worker it runs on now
                 await _quietly(decode.abort(rid, tid))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -146,6 +147,31 @@ class Router:
             record.decision = self._place(request_id, record.prompt_token_ids, set(exclude),
                                           record.attempts, resume)
             return record.decision
+
+    def move_target(self, request_id: str, exclude: Iterable[str] = ()) -> WorkerHandle:
+        """The decode worker a running request should move to (the rule that places new
+        requests, ``exclude`` left out); raises like ``route``."""
+        with self._lock:
+            record = self._requests.get(request_id)
+            if record is None:
+                raise KeyError(f"request {request_id!r} is not in flight")
+            num_tokens = len(record.prompt_token_ids) + 1
+            return self._pick_decode(self._snapshots(set(exclude)), num_tokens)[0]
+
+    def moved(self, request_id: str, decode: WorkerHandle) -> None:
+        """The request now decodes on ``decode`` (it moved there with its KV)."""
+        with self._lock:
+            record = self._requests.get(request_id)
+            if record is None or record.decision is None:
+                return
+            self._ledger.drop_request(request_id)
+            record.decision = dataclasses.replace(record.decision, decode=decode, prefill=None)
+
+    def decode_of(self, request_id: str) -> WorkerHandle | None:
+        """The decode worker the request runs on now (None: not in flight)."""
+        with self._lock:
+            record = self._requests.get(request_id)
+            return None if record is None or record.decision is None else record.decision.decode
 
     def prefill_done(self, request_id: str) -> None:
         """The prompt is prefilled (token #1 is out): stop counting its prefill tokens."""

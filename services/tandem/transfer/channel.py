@@ -50,6 +50,7 @@ class KVChannel(Protocol):
     sync: DeviceSync
     peers: tuple[int, ...]  # the ranks this one exchanges KV with
     broken: str | None  # why the channel is unusable; None while healthy
+    lost: dict[int, str]  # optional peers lost (why), the rest of the channel still usable
 
     def stream(self, peer: int) -> Stream:
         """The stream this rank's transfer work with ``peer`` is queued on."""
@@ -77,12 +78,16 @@ class ChannelBase:
     """What every channel shares: peers, per-peer streams, bounded host waits, ``broken``."""
 
     def __init__(self, rank: int, world_size: int, peers: Sequence[int], sync: DeviceSync,
-                 op_timeout_s: float) -> None:
+                 op_timeout_s: float, optional: Sequence[int] = ()) -> None:
+        """``optional``: peers whose failure loses only them (``lost``), not the channel
+        (a decode worker's fellow decode workers, reached only to move requests)."""
         if op_timeout_s <= 0:
             raise ValueError(f"op_timeout_s must be > 0, got {op_timeout_s}")
         self.rank, self.world_size, self.peers = rank, world_size, tuple(peers)
         self.sync, self.device, self.op_timeout_s = sync, sync.device, op_timeout_s
         self.broken: str | None = None
+        self.optional = frozenset(optional)
+        self.lost: dict[int, str] = {}
         self._streams = {p: sync.new_stream(f"kv-{rank}-{p}") for p in self.peers}
 
     def stream(self, peer: int) -> Stream:
@@ -92,10 +97,20 @@ class ChannelBase:
             raise ValueError(f"rank {peer} is not a peer of rank {self.rank} "
                              f"(peers {list(self.peers)})") from None
 
-    def check_usable(self) -> None:
-        """Raise ``ChannelBrokenError`` once the channel is broken."""
+    def check_usable(self, peer: int | None = None) -> None:
+        """Raise ``ChannelBrokenError`` once the channel is broken (or ``peer`` lost)."""
         if self.broken is not None:
             raise ChannelBrokenError(f"transfer channel broken: {self.broken}")
+        if peer in self.lost:
+            raise ChannelBrokenError(f"rank {peer} lost: {self.lost[peer]}")
+
+    def _failed(self, peer: int, why: str) -> None:
+        """An operation with ``peer`` failed: an optional peer is lost, else the channel
+        is broken."""
+        if peer in self.optional:
+            self.lost.setdefault(peer, why)
+        else:
+            self.broken = self.broken or why
 
     def _check_bytes(self, tensor: torch.Tensor, op: str) -> None:
         """A usable channel and a contiguous uint8 ``tensor`` on its device (device channels)."""
@@ -148,19 +163,21 @@ class CollectiveChannel(ChannelBase):
     Ray's gloo group sits on torch's default process group, created without a
     timeout (torch's 30-minute default), and its send/recv take none; so calls go
     to torch.distributed directly, as ``isend``/``irecv`` whose ``wait(timeout)``
-    bounds each one (a gloo timeout closes the pair: the channel is then broken).
+    bounds each one (a gloo timeout closes the pair: the channel is then broken, or
+    only that peer lost where it is optional).
     One group spans every prefill and decode worker (a second pairwise gloo group
     in one process hangs). Synchronous: its events are complete when recorded.
     """
 
     def __init__(self, world_size: int, rank: int, group_name: str, peers: Sequence[int],
-                 timeout_ms: int = 30_000, op_timeout_s: float = 30.0) -> None:
+                 timeout_ms: int = 30_000, op_timeout_s: float = 30.0,
+                 optional: Sequence[int] = ()) -> None:
         import ray.util.collective as col
         import torch.distributed as dist
 
         from tandem.transfer.store import init_gloo_default_group
 
-        super().__init__(rank, world_size, peers, CpuSync(), op_timeout_s)
+        super().__init__(rank, world_size, peers, CpuSync(), op_timeout_s, optional)
         self._col = col
         self.group_name = group_name
         if not dist.is_initialized():  # rendezvous on a store bound to the node address
@@ -177,12 +194,12 @@ class CollectiveChannel(ChannelBase):
     def _call(self, op: str, tensor: torch.Tensor, peer: int, idle: bool) -> None:
         import torch.distributed as dist
 
-        self.check_usable()
+        self.check_usable(peer)
         try:
             work = (dist.isend if op == "send" else dist.irecv)(tensor, peer)
             work.wait(timeout=IDLE_WAIT if idle else datetime.timedelta(seconds=self.op_timeout_s))
         except Exception as e:
-            self.broken = self.broken or f"{op} with rank {peer}: {type(e).__name__}: {e}"
+            self._failed(peer, f"{op} with rank {peer}: {type(e).__name__}: {e}")
             raise
 
     def close(self) -> None:

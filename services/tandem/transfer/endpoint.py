@@ -37,17 +37,20 @@ def compatibility(engine: LLMEngine) -> CompatibilityDescriptor:
 
 def open_channel(transports: Mapping[int, str], world_size: int, rank: int, group_name: str,
                  sync: DeviceSync, senders: Sequence[int] = (), timeout_ms: int = 30_000,
-                 op_timeout_s: float = 30.0, rendezvous: Rendezvous | None = None) -> KVChannel:
+                 op_timeout_s: float = 30.0, rendezvous: Rendezvous | None = None,
+                 optional: Sequence[int] = ()) -> KVChannel:
     """Join the group (every pair connected within ``timeout_ms``) inside a Ray actor.
 
     ``transports``: peer rank -> ``gloo`` | ``nccl`` | ``ipc`` (``placement.pair_transports``);
-    ``senders``: the peers this rank receives KV from. Each send/recv and each wait for
-    one is bounded by ``op_timeout_s``.
+    ``senders``: the peers that open a pair with this rank as its sender (those it
+    receives prompts' KV from, and for a pair of decode workers the lower rank).
+    ``optional``: peers whose loss does not break the channel (gloo; on GPU any lost
+    pair breaks it). Each send/recv and each wait for one is bounded by ``op_timeout_s``.
     """
     kinds = set(transports.values())
     if kinds == {GLOO}:
         return CollectiveChannel(world_size, rank, group_name, list(transports), timeout_ms,
-                                 op_timeout_s)
+                                 op_timeout_s, optional)
     if GLOO in kinds or not kinds <= {NCCL, IPC}:
         raise ValueError(f"cannot mix transports {sorted(kinds)} in one group")
     rendezvous = rendezvous or RayRendezvous(f"tandem-kv-{group_name}-")
@@ -106,10 +109,13 @@ def open_pair_channel(kind: str, rank: int, device: str | torch.device,
 
 
 def cache_sender(channel: KVChannel, cache: PagedKVCache, on_done: Callable[[SendReport], None],
-                 min_run_plane_bytes: int | None = MIN_RUN_PLANE_BYTES) -> KVSender:
-    """The prefill end over ``channel``, reading blocks of ``cache``."""
+                 min_run_plane_bytes: int | None = MIN_RUN_PLANE_BYTES,
+                 receivers: Sequence[int] | None = None) -> KVSender:
+    """The sending end over ``channel`` (to ``receivers``, default every peer), reading
+    blocks of ``cache``."""
     return KVSender(channel, cache.gather, cache.block_shape, cache.dtype, on_done,
-                    cache.plane, cache.plane_block_bytes, min_run_plane_bytes)
+                    cache.plane, cache.plane_block_bytes, min_run_plane_bytes,
+                    receivers=receivers)
 
 
 def cache_receiver(channel: KVChannel, cache: PagedKVCache, peers: Sequence[int]) -> KVReceiver:
@@ -119,8 +125,9 @@ def cache_receiver(channel: KVChannel, cache: PagedKVCache, peers: Sequence[int]
 
 
 def make_sender(channel: KVChannel, engine: LLMEngine, on_done: Callable[[SendReport], None],
-                min_run_plane_bytes: int | None = MIN_RUN_PLANE_BYTES) -> KVSender:
-    return cache_sender(channel, engine.kv_cache, on_done, min_run_plane_bytes)
+                min_run_plane_bytes: int | None = MIN_RUN_PLANE_BYTES,
+                receivers: Sequence[int] | None = None) -> KVSender:
+    return cache_sender(channel, engine.kv_cache, on_done, min_run_plane_bytes, receivers)
 
 
 def make_receiver(channel: KVChannel, engine: LLMEngine, peers: Sequence[int]) -> KVReceiver:

@@ -1,4 +1,7 @@
-"""Which transport each prefill-decode pair uses, from where its two ends run.
+"""Which transport each pair of the transfer group uses, from where its two ends run.
+
+Prefill-decode pairs carry a prompt's KV; decode-decode pairs (``migration``) carry a
+running request's KV when it moves to another decode worker.
 
 NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), and a pair on one
 GPU needs no network: such a pair goes over CUDA IPC (``ipc_channel.py``). The
@@ -20,8 +23,10 @@ GLOO, NCCL, IPC = "gloo", "nccl", "ipc"
 
 def pair_transports(backend: str, cuda: bool, device_uuids: Mapping[int, str | None],
                     prefill_ranks: Sequence[int], decode_ranks: Sequence[int],
-                    names: Mapping[int, str] | None = None) -> dict[int, dict[int, str]]:
-    """``{rank: {peer: transport}}`` for every prefill-decode pair.
+                    names: Mapping[int, str] | None = None,
+                    migration: bool = False) -> dict[int, dict[int, str]]:
+    """``{rank: {peer: transport}}`` for every prefill-decode pair, and with ``migration``
+    every decode-decode pair.
 
     ``device_uuids``: each rank's GPU UUID (None on CPU); ``names``: worker ids for
     error messages.
@@ -35,6 +40,12 @@ def pair_transports(backend: str, cuda: bool, device_uuids: Mapping[int, str | N
             kind = _pair(backend, cuda, device_uuids.get(p), device_uuids.get(d),
                          names.get(p, f"rank {p}"), names.get(d, f"rank {d}"))
             out[p][d] = out[d][p] = kind
+    if migration:
+        for i, a in enumerate(decode_ranks):
+            for b in decode_ranks[i + 1:]:
+                out[a][b] = out[b][a] = _pair(backend, cuda, device_uuids.get(a),
+                                              device_uuids.get(b), names.get(a, f"rank {a}"),
+                                              names.get(b, f"rank {b}"))
     return out
 
 

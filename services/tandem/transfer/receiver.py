@@ -62,7 +62,8 @@ class PendingTransfer:
 
 
 class KVReceiver:
-    """Receives from every prefill rank in ``peers`` and scatters into the local cache."""
+    """Receives from every rank in ``peers`` (the prefill ranks, and the decode ranks a
+    request may move from) and scatters into the local cache."""
 
     def __init__(self, channel: KVChannel, peers: Sequence[int],
                  scatter: Callable[[Sequence[int], range, torch.Tensor], None],
@@ -94,7 +95,7 @@ class KVReceiver:
                              after=after)
         with self._lock:
             if src_rank in self.dead_peers:
-                raise ConnectionError(f"prefill rank {src_rank} is unreachable")
+                raise ConnectionError(f"rank {src_rank} is unreachable")
             if self.channel.broken is not None:
                 raise ConnectionError(f"the transfer channel is broken: {self.channel.broken}")
             if transfer_id in self._pending:
@@ -135,11 +136,13 @@ class KVReceiver:
 
     @property
     def broken(self) -> str | None:
-        """Why this receiver cannot receive any more (None while healthy)."""
+        """Why this receiver cannot receive any more (None while healthy); a lost optional
+        peer of the channel (a fellow decode worker) only fails the transfers from it."""
         if self.channel.broken is not None:
             return self.channel.broken
-        if self.dead_peers:
-            return f"lost prefill ranks {sorted(self.dead_peers)}"
+        vital = self.dead_peers - self.channel.optional
+        if vital:
+            return f"lost ranks {sorted(vital)}"
         return None
 
     def _run(self, peer: int) -> None:

@@ -79,14 +79,17 @@ class KVSender:
                  plane: Callable[[int, int, int, int], torch.Tensor] | None = None,
                  plane_block_bytes: int = 0,
                  min_run_plane_bytes: int | None = MIN_RUN_PLANE_BYTES,
-                 heartbeat_s: float | None = HEARTBEAT_S) -> None:
+                 heartbeat_s: float | None = HEARTBEAT_S,
+                 receivers: Sequence[int] | None = None) -> None:
         """``plane`` (the cache's zero-copy view) enables in-place sends of runs whose
-        mean plane reaches ``min_run_plane_bytes``; None turns them off."""
+        mean plane reaches ``min_run_plane_bytes``; None turns them off. ``receivers``:
+        the peers it sends to and heartbeats (default: every peer of the channel)."""
         self.channel, self._gather, self._block_shape, self.dtype = channel, gather, block_shape, dtype
         self.sync = channel.sync
         self._plane, self._plane_block_bytes = plane, plane_block_bytes
         self._min_run = min_run_plane_bytes
         self._heartbeat_s = heartbeat_s
+        self.receivers = tuple(channel.peers if receivers is None else receivers)
         self.groups_in_place = self.groups_gathered = self.heartbeats = 0
         self._on_done = on_done
         self._jobs: queue.SimpleQueue[SendJob | None] = queue.SimpleQueue()
@@ -239,9 +242,11 @@ class KVSender:
         """An empty header to every peer; a failure breaks the channel (the receiver is gone)."""
         header = encode_header(LayerGroupHeader(transfer_id=HEARTBEAT_ID, layer_group=0,
                                                 num_bytes=0))
-        for peer in self.channel.peers:
+        for peer in self.receivers:
             if self.channel.broken is not None:
                 return
+            if peer in self.channel.lost:
+                continue
             try:
                 with self.sync.use(self.channel.stream(peer)):
                     self.channel.send(to_device(header, self.channel.device), peer)

@@ -1,0 +1,244 @@
+"""Moving a running request to another decode worker with its KV: the driver's side.
+
+A :class:`Move` asks that one request move (``RequestDriver.migrate``); the request's
+:class:`Follow` (its stream of deltas from its decode worker) picks it up at its next
+token and runs it, pre-copy:
+
+1. while the source decodes on: ``migrate_begin`` on the source (its full blocks),
+   ``migrate_in`` on the destination (blocks for its tokens plus ``HEADROOM_TOKENS``),
+   ``migrate_send`` of the full blocks;
+2. the switch: ``migrate_pause`` on the source; ``migrate_expect`` on the destination and
+   ``migrate_send`` of the blocks written since, while the source's last tokens are read;
+   then the destination's stream starts (``DecodeRequest(migrated=True)``) and, with its
+   first token, the source releases the request (``migrate_done``).
+
+Until that first token the source owns the request: any failure or a timeout rolls back
+(the destination's blocks freed, the source decoding on where it paused:
+``migrate_rollback``); a source that died takes the re-drive path. The worker calls are
+in ``decode/migration.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from tandem.common.sampling_params import SamplingParams
+from tandem.protocol.request_path import DecodeRequest, TokenDelta
+
+if TYPE_CHECKING:
+    from tandem.router.driver import DecodeOps
+
+log = logging.getLogger(__name__)
+HEADROOM_TOKENS = 64  # reserved past the tokens at the start: the source decodes on meanwhile
+MIGRATE_TIMEOUT_S = 30.0  # each of the two phases; then it is rolled back
+MIGRATED, FAILED = "migrated", "failed"
+
+
+@dataclass(frozen=True)
+class MoveResult:
+    """How a move ended: ``migrated`` (``pause_s``: the longest gap the client saw across
+    it) or ``failed`` (``error``: why; the request went on where it was, or ended)."""
+
+    request_id: str
+    outcome: str
+    error: str | None = None
+    pause_s: float | None = None
+    kv_bytes: int = 0
+
+
+@dataclass(eq=False)
+class Move:
+    """A request asked to move to ``dst``; ``done`` (thread-safe) gets its result."""
+
+    request_id: str
+    dst: DecodeOps
+    done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    transfer_id: str = ""
+    task: asyncio.Task | None = None  # the pre-copy
+    reserved: bool = False  # the destination holds blocks for it
+    kv_bytes: int = 0
+
+    def finish(self, outcome: str, error: str | None = None, pause_s: float | None = None
+               ) -> MoveResult:
+        result = MoveResult(self.request_id, outcome, error, pause_s, self.kv_bytes)
+        if not self.done.done():
+            self.done.set_result(result)
+        return result
+
+
+class Follow:
+    """The deltas of one request from its decode worker (``current``), across moves."""
+
+    def __init__(self, request_id: str, prompt: tuple[int, ...], params: SamplingParams,
+                 decode: DecodeOps, req: DecodeRequest, moves: dict[str, Move],
+                 on_moved: Callable[[MoveResult, DecodeOps, DecodeOps], None],
+                 checksum: bool = False) -> None:
+        self.request_id, self.prompt, self.params = request_id, prompt, params
+        self.current = decode
+        self._req = req
+        self._moves = moves
+        self._on_moved = on_moved
+        self._checksum = checksum
+        self.received = len(req.output_token_ids)  # the next output index the caller needs
+
+    async def deltas(self) -> AsyncIterator[TokenDelta]:
+        """The deltas after ``received``, in order; ends with the finishing one."""
+        rid = self.request_id
+        stream = aiter(self.current.decode(self._req))
+        nxt: asyncio.Future | None = None  # a read of ``stream`` raced against a move
+        move: Move | None = None
+        last_at = time.monotonic()
+        try:
+            while True:
+                move = move or self._moves.get(rid)
+                if move is not None:
+                    if move.task is None:
+                        move.task = asyncio.ensure_future(asyncio.wait_for(
+                            self._precopy(move), MIGRATE_TIMEOUT_S))
+                    if nxt is None:
+                        nxt = asyncio.ensure_future(anext(stream))
+                    await asyncio.wait((nxt, move.task), return_when=asyncio.FIRST_COMPLETED)
+                    if not nxt.done():  # pre-copied (or failed): switch (or roll back)
+                        self._moves.pop(rid, None)
+                        read, new, nxt, outcome = await self._switch(move, stream, nxt)
+                        for delta in read:
+                            yield delta
+                            last_at = time.monotonic()
+                        if new is None:
+                            move.finish(FAILED, outcome)
+                            move = None
+                            continue
+                        delta, src = outcome, self.current
+                        nxt.cancel()  # the source's stream is done with
+                        with contextlib.suppress(BaseException):
+                            await stream.aclose()
+                        stream, nxt, self.current = new, None, move.dst
+                        result = move.finish(MIGRATED, pause_s=time.monotonic() - last_at)
+                        move = None
+                        _in_background(src.migrate("migrate_done", rid))  # acknowledged: freed
+                        self._on_moved(result, src, self.current)
+                    else:
+                        delta, nxt = nxt.result(), None
+                elif nxt is not None:  # a read left pending by a move rolled back
+                    delta, nxt = await nxt, None
+                else:
+                    delta = await anext(stream)
+                delta = delta.after(self.received)
+                if delta is None:
+                    continue
+                self.received = delta.next_index
+                yield delta
+                last_at = time.monotonic()
+                if delta.finished:
+                    return
+        except StopAsyncIteration:
+            return
+        finally:
+            if move is not None:  # the request ended or its caller left mid-move
+                if move.task is not None:
+                    move.task.cancel()
+                if move.reserved:
+                    await _quietly(move.dst.abort(rid))
+                move.finish(FAILED, "the request ended before it moved")
+                self._moves.pop(rid, None)
+            if nxt is not None and not nxt.done():
+                nxt.cancel()
+            with contextlib.suppress(Exception):
+                await stream.aclose()
+
+    async def _precopy(self, move: Move) -> int:
+        """Phase 1; returns how many blocks went (the full blocks at its start)."""
+        src, rid = self.current, self.request_id
+        info = await src.migrate("migrate_begin", rid)
+        desc = await move.dst.migrate(
+            "migrate_in", rid, list(self.prompt), self.params, src.rank,
+            f"{move.transfer_id}/1", info["num_tokens"] + HEADROOM_TOKENS,
+            info["num_full_blocks"], self._checksum)
+        if desc is None:
+            raise RuntimeError(f"{move.dst.worker_id} has no room for {rid}")
+        move.reserved = True
+        if desc.block_ids:
+            move.kv_bytes += await src.migrate("migrate_send", rid, desc, 0)
+        return info["num_full_blocks"]
+
+    async def _switch(self, move: Move, stream, nxt: asyncio.Future
+                      ) -> tuple[list[TokenDelta], Any, asyncio.Future, Any]:
+        """Phase 2: ``(source deltas read meanwhile, the destination's stream, the source
+        read still pending, its first delta)``; rolled back: ``(..., None, ..., why)``."""
+        src, dst, rid = self.current, move.dst, self.request_id
+        read: list[TokenDelta] = []
+        new = None
+        final = None
+        try:
+            async with asyncio.timeout(MIGRATE_TIMEOUT_S):
+                num_sent = move.task.result()
+                state = await src.migrate("migrate_pause", rid)
+                outputs = tuple(state["output_token_ids"])
+                final = asyncio.ensure_future(self._final_round(move, state, num_sent))
+                while self.received < len(outputs):  # the source's last tokens
+                    delta = (await asyncio.shield(nxt)).after(self.received)
+                    nxt = asyncio.ensure_future(anext(stream))
+                    if delta is not None:
+                        self.received = delta.next_index
+                        read.append(delta)
+                desc = await final
+                new = aiter(dst.decode(DecodeRequest(rid, self.prompt, self.params, outputs,
+                                                     descriptor=desc, migrated=True)))
+                first = await anext(new)  # committed there, and stepping
+                return read, new, nxt, first
+        except BaseException as e:
+            if final is not None:
+                final.cancel()
+            if new is not None:
+                with contextlib.suppress(Exception):
+                    await new.aclose()
+            if move.reserved:
+                await _quietly(dst.abort(rid))
+            if isinstance(e, (asyncio.CancelledError, GeneratorExit)):
+                raise
+            if getattr(e, "worker_id", None) == src.worker_id:
+                raise  # the source is gone: re-drive
+            log.info("moving %s from %s to %s failed: %s", rid, src.worker_id, dst.worker_id, e)
+            await src.migrate("migrate_rollback", rid)  # False: it ended there; its stream says how
+            return read, None, nxt, f"{type(e).__name__}: {e}"
+
+    async def _final_round(self, move: Move, state: dict, num_sent: int):
+        """The last round: blocks ``num_sent`` onwards; returns its descriptor (None: none)."""
+        src, rid = self.current, self.request_id
+        num_blocks = state["num_blocks"] - num_sent
+        desc = await move.dst.migrate(
+            "migrate_expect", rid, f"{move.transfer_id}/2", num_sent, num_blocks,
+            state["num_computed_tokens"] + 1, self._checksum)
+        if not desc.block_ids:
+            return None
+        move.kv_bytes += await src.migrate("migrate_send", rid, desc, num_sent)
+        return desc
+
+
+_BACKGROUND: set[asyncio.Future] = set()  # calls nobody waits for, kept until done
+
+
+def _in_background(aw) -> None:
+    task = asyncio.ensure_future(_quietly(aw))
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)
+
+
+async def _quietly(aw) -> None:
+    try:
+        await aw
+    except Exception as e:  # best effort: the worker may be gone already
+        log.debug("cleanup call failed: %s", e)
+
+
+def sorted_by_gain(requests: Sequence[tuple[str, int, int]]) -> list[str]:
+    """Request ids to move first: most KV, then most tokens still to come
+    (``(request_id, tokens held, tokens to come)``)."""
+    return [r for r, _, _ in sorted(requests, key=lambda t: (-t[1], -t[2], t[0]))]
