@@ -1,7 +1,9 @@
 """Chaos: a real cluster (1 prefill + 2 decode on Ray, gloo, one layer per KV group, KV
 written in place) under mixed load while clients leave after token #1 with long prompts'
-KV still streaming, requests are cancelled at every stage, the prefill worker and a decode
-worker are SIGKILLed and one worker's transfer channel is torn down.
+KV still streaming, requests are cancelled at every stage, running requests are moved
+between the decode workers with their KV all along, the prefill worker and a decode
+worker are SIGKILLed (the latter with moves to it and from it under way) and one
+worker's transfer channel is torn down.
 
 Afterwards: every completed greedy response is token-identical to the offline engine,
 and so is every abandoned prompt asked again; every request completed or ended with an
@@ -26,6 +28,11 @@ from tests.hf_models import VOCAB
 from tests.integration.test_cluster import wait_all_free
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+LONG = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)  # long enough to move
+
+
+def _params(i: int) -> SamplingParams:
+    return LONG if i % 6 == 0 else GREEDY
 REQUEST_BOUND_S = 150.0  # a request still open after this is a hang
 LENGTHS = [6, 20, 45, 90, 160, 250, 330, 400]
 
@@ -38,7 +45,8 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def reference(checkpoint, prompts):
-    return [o.outputs[0].token_ids for o in LLM(checkpoint).generate(prompts, GREEDY)]
+    llm = LLM(checkpoint)
+    return [llm.generate([p], _params(i))[0].outputs[0].token_ids for i, p in enumerate(prompts)]
 
 
 @pytest.fixture
@@ -58,6 +66,7 @@ class Outcomes:
         self.by_kind: dict[str, list[int]] = collections.defaultdict(list)
         self.completed: list[tuple[int, list[int]]] = []
         self.errors: list[str] = []
+        self.reasons: dict[int, object] = {}  # finish reason of each completed request
 
     def summary(self) -> dict[str, int]:
         return {k: len(v) for k, v in self.by_kind.items()}
@@ -69,7 +78,7 @@ async def _request(cluster, i: int, prompt, how: str, out: Outcomes) -> None:
     try:
         async def run():
             nonlocal index
-            gen = cluster.generate(prompt, GREEDY)
+            gen = cluster.generate(prompt, _params(i))
             try:
                 async for delta in gen:
                     assert delta.index == index, f"request {i}: token lost or repeated"
@@ -78,6 +87,7 @@ async def _request(cluster, i: int, prompt, how: str, out: Outcomes) -> None:
                     if how == "leave":
                         return "left"
                     if delta.finished:
+                        out.reasons[i] = delta.finish_reason
                         return "completed"
                 return "ended without finishing"
             finally:
@@ -110,7 +120,24 @@ async def _until(cond, timeout_s: float) -> bool:
     return cond()
 
 
-async def _chaos(cluster, log: list[str]) -> None:
+def _move_some(cluster, moves: list, rng: random.Random, k: int = 4) -> None:
+    """Ask that up to ``k`` running requests move to the other decode worker."""
+    running = sorted(r for w in cluster.decode for r in w.active)
+    for rid in rng.sample(running, min(k, len(running))):
+        try:
+            moves.append(cluster.migrate(rid))
+        except Exception:  # noqa: BLE001 - ended, moving already, or no room: a defined answer
+            pass
+
+
+async def _mover(cluster, moves: list, chaos: asyncio.Task) -> None:
+    rng = random.Random(3)
+    while not chaos.done():
+        _move_some(cluster, moves, rng)
+        await asyncio.sleep(rng.uniform(0.05, 0.3))
+
+
+async def _chaos(cluster, log: list[str], moves: list) -> None:
     await asyncio.sleep(1.0)
     await _kill(cluster.prefill[0])
     log.append("SIGKILL prefill-0")
@@ -121,6 +148,8 @@ async def _chaos(cluster, log: list[str]) -> None:
     log.append("channel fault on decode-0")
     assert await _until(lambda: cluster.rebuilds > rebuilds, 120), "the group was not rebuilt"
     await asyncio.sleep(1.0)
+    _move_some(cluster, moves, random.Random(5), k=16)  # to decode-1 and from it
+    await asyncio.sleep(0.05)
     await _kill(cluster.decode[1])
     log.append("SIGKILL decode-1")
     assert await _until(lambda: cluster.replacements >= 2, 120), "decode-1 was not replaced"
@@ -144,12 +173,14 @@ async def _load(cluster, prompts, out: Outcomes, chaos: asyncio.Task) -> None:
 
 
 def test_chaos(cluster, prompts, reference):
-    out, log = Outcomes(), []
+    out, log, moves = Outcomes(), [], []
 
     async def main():
-        chaos = asyncio.ensure_future(_chaos(cluster, log))
+        chaos = asyncio.ensure_future(_chaos(cluster, log, moves))
+        mover = asyncio.ensure_future(_mover(cluster, moves, chaos))
         await _load(cluster, prompts, out, chaos)
         await chaos  # re-raises if a fault was not healed
+        await mover
 
     t0 = time.monotonic()
     asyncio.run(main())
@@ -159,8 +190,15 @@ def test_chaos(cluster, prompts, reference):
     assert log == ["SIGKILL prefill-0", "channel fault on decode-0", "SIGKILL decode-1"]
     assert not out.by_kind.get("hung") and not out.by_kind.get("ended without finishing")
     assert len(out.completed) >= len(prompts), out.summary()
+    # every move asked for ended one way or the other (none hangs)
+    results = [m.result(timeout=REQUEST_BOUND_S) for m in moves]
+    print("moves:", collections.Counter(r.outcome for r in results),
+          collections.Counter((r.error or "")[:60] for r in results))
+    assert moves
     for i, tokens in out.completed:
-        assert tokens == reference[i], f"request {i} (prompt of {len(prompts[i])}) answered wrong"
+        assert tokens == reference[i], (
+            f"request {i} (prompt of {len(prompts[i])}) answered wrong: {len(tokens)} tokens, "
+            f"finished by {out.reasons.get(i)}")
     # every worker ready again, every block free, nothing tracked
     assert asyncio.run(_until_ready(cluster)), [w.load() for w in cluster.prefill + cluster.decode]
     stats = wait_all_free(cluster, timeout_s=30)

@@ -1,7 +1,7 @@
 """Scale-down drains first: a decode worker taken out while streams run on it (real Ray
 actors, gloo transfers). No stream is cut: every one completes token-identical to the
-offline engine, finished in place (drain timeout long enough) or re-driven on the other
-decode worker (drain timeout 0); the router places no new request on the worker from the
+offline engine, moved to the other decode workers with its KV, or (moves off, drain
+timeout 0) re-driven on another decode worker; the router places no new request on the worker from the
 moment the drain starts; its actor exits; the cluster serves on with the workers left.
 The second drain goes the way of `tandem drain`: a request through the Ray cluster's
 key-value store, answered by the gateway. Then the pools are resized (`tandem scale`):
@@ -11,6 +11,7 @@ cluster still serves exactly."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 
@@ -75,7 +76,8 @@ def _drain_through_ray(cluster):
         control.request_drain(targets, timeout_s)
         outcome = control.wait_drained(targets, time.monotonic() + 120)[worker_id]
         assert "error" not in outcome, outcome
-        return DrainReport(worker_id, outcome["idle"], outcome["redriven"], outcome["seconds"])
+        return DrainReport(worker_id, outcome["idle"], outcome["redriven"], outcome["seconds"],
+                           outcome["migrated"])
     return drain
 
 
@@ -111,8 +113,8 @@ async def _drain_while_streaming(cluster, prompts, drain_timeout_s, drain):
 def test_drained_decode_workers_cut_no_stream(ray_session, checkpoint, prompts, reference,
                                               monkeypatch):
     """Two drains on one cluster of three decode workers: the first (a cluster call)
-    lets the streams finish in place, the second (timeout 0, requested through Ray)
-    re-drives them; then one worker is left, and the pool is scaled back to two; the
+    moves the streams with their KV, the second (timeout 0, requested through Ray, moves
+    turned off) re-drives them; then one worker is left, and the pool is scaled back to two; the
     prefill pool grows and shrinks too."""
     from tandem.cluster import cluster as cluster_module
     from tandem.cluster import control
@@ -128,16 +130,25 @@ def test_drained_decode_workers_cut_no_stream(ray_session, checkpoint, prompts, 
                                        (0.0, _drain_through_ray(cluster))):
             redrives_before = cluster.driver.num_redrives
             resumed_before = cluster.router.decisions["local_resume"]
-            outputs, victim, report, seen = asyncio.run(
-                _drain_while_streaming(cluster, prompts, drain_timeout_s, drain))
+            moving = cluster.config
+            if not drain_timeout_s:
+                cluster.config = dataclasses.replace(moving, kv_migration=False)
+            try:
+                outputs, victim, report, seen = asyncio.run(
+                    _drain_while_streaming(cluster, prompts, drain_timeout_s, drain))
+            finally:
+                cluster.config = moving
             assert outputs == reference  # every stream complete, none cut, none diverged
             assert not any(rid.startswith("late") for rid in seen), seen  # none placed there
             assert report.worker_id == victim.worker_id
             redrives = cluster.driver.num_redrives - redrives_before
             if drain_timeout_s:
                 assert report.idle and report.redriven == 0 and redrives == 0
+                assert report.migrated >= 1  # nothing left to finish in place
+                assert cluster.router.decisions["local_resume"] == resumed_before
             else:
                 assert not report.idle and report.redriven >= 1 and redrives >= report.redriven
+                assert report.migrated == 0
                 # every stream had tokens out: each re-drive resumed on a decode worker,
                 # placed even where its cache was full at that moment
                 assert cluster.router.decisions["local_resume"] - resumed_before == redrives

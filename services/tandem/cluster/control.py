@@ -10,7 +10,7 @@ the keys live in the GCS, in the namespace ``tandem``, under the gateway's name 
 - ``<name>/node/<worker id>``: the Ray node id of each worker (the gateway keeps it
   current; a pod's pre-stop hook finds the workers on its own node there);
 - ``<name>/drain/<worker id>``: a request, ``{"timeout_s": S}``;
-- ``<name>/drained/<worker id>``: the outcome, ``{"idle", "redriven", "seconds"}`` or
+- ``<name>/drained/<worker id>``: the outcome, ``{"idle", "migrated", "redriven", "seconds"}`` or
   ``{"error": message}``;
 - ``<name>/scale/<role>``: a request, ``{"workers": N, "timeout_s", "drain_timeout_s"}``,
   answered at ``<name>/scaled/<role>``: ``{"workers", "added", "drained"}`` or
@@ -114,7 +114,8 @@ class ControlWatcher:
     def _handle(self, kind: str, subject: str, request: dict) -> dict:
         if kind == "drain":
             r = self.cluster.drain_worker(subject, float(request.get("timeout_s", 30.0)))
-            return {"idle": r.idle, "redriven": r.redriven, "seconds": round(r.seconds, 3)}
+            return {"idle": r.idle, "migrated": r.migrated, "redriven": r.redriven,
+                    "seconds": round(r.seconds, 3)}
         r = self.cluster.scale(subject, int(request["workers"]),
                                float(request.get("timeout_s", 600.0)),
                                float(request.get("drain_timeout_s", 30.0)))

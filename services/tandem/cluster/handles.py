@@ -174,10 +174,13 @@ class RayDecode(RayWorker):
         """One step of moving a request (``decode/migration.py``: ``migrate_begin``, ...),
         its failures translated; bounded like a cleanup call."""
         try:
-            return await _within(_quiet(getattr(self.actor, method)).remote(*args),
-                                 CLEANUP_TIMEOUT_S)
+            result = await _within(_quiet(getattr(self.actor, method)).remote(*args),
+                                   CLEANUP_TIMEOUT_S)
         except Exception as e:
             raise self._translate(e) from e
+        if method == "migrate_done":  # it runs elsewhere now: a drain does not wait for it
+            self.active.discard(args[0])
+        return result
 
     async def abort(self, request_id: str, transfer_id: str | None = None) -> None:
         args = (request_id,) if transfer_id is None else (request_id, transfer_id)

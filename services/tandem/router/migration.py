@@ -62,8 +62,13 @@ class Move:
     done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     transfer_id: str = ""
     task: asyncio.Task | None = None  # the pre-copy
-    reserved: bool = False  # the destination holds blocks for it
+    reserved: bool = False  # the destination may hold blocks for it
     kv_bytes: int = 0
+
+    @property
+    def first_round(self) -> str:
+        """The transfer id of the pre-copy, which also names the destination's reservation."""
+        return f"{self.transfer_id}/1"
 
     def finish(self, outcome: str, error: str | None = None, pause_s: float | None = None
                ) -> MoveResult:
@@ -94,10 +99,16 @@ class Follow:
         stream = aiter(self.current.decode(self._req))
         nxt: asyncio.Future | None = None  # a read of ``stream`` raced against a move
         move: Move | None = None
+        moved_off: DecodeOps | None = None  # the worker it just moved off, until released there
+        unused = None  # a destination's stream not taken yet
         last_at = time.monotonic()
         try:
             while True:
-                move = move or self._moves.get(rid)
+                if move is None and self.received > len(self._req.output_token_ids):
+                    move = self._moves.get(rid)  # taken up once it decodes there
+                    if move is not None and move.dst.worker_id == self.current.worker_id:
+                        self._end(move, FAILED, f"{rid} runs on {move.dst.worker_id} already")
+                        move = None
                 if move is not None:
                     if move.task is None:
                         move.task = asyncio.ensure_future(asyncio.wait_for(
@@ -106,23 +117,26 @@ class Follow:
                         nxt = asyncio.ensure_future(anext(stream))
                     await asyncio.wait((nxt, move.task), return_when=asyncio.FIRST_COMPLETED)
                     if not nxt.done():  # pre-copied (or failed): switch (or roll back)
-                        self._moves.pop(rid, None)
                         read, new, nxt, outcome = await self._switch(move, stream, nxt)
+                        pause_s = time.monotonic() - last_at  # the read ones were held back too
+                        unused = new  # closed should the caller leave before it is taken
+                        if new is None:
+                            self._end(move, FAILED, outcome)
+                            move = None
                         for delta in read:
                             yield delta
                             last_at = time.monotonic()
+                            if delta.finished:  # it ended on the source
+                                return
                         if new is None:
-                            move.finish(FAILED, outcome)
-                            move = None
                             continue
                         delta, src = outcome, self.current
                         nxt.cancel()  # the source's stream is done with
                         with contextlib.suppress(BaseException):
                             await stream.aclose()
-                        stream, nxt, self.current = new, None, move.dst
-                        result = move.finish(MIGRATED, pause_s=time.monotonic() - last_at)
-                        move = None
-                        _in_background(src.migrate("migrate_done", rid))  # acknowledged: freed
+                        stream, nxt, self.current, unused = new, None, move.dst, None
+                        result = self._end(move, MIGRATED, pause_s=pause_s)
+                        move, moved_off = None, src  # released there once its first token is out
                         self._on_moved(result, src, self.current)
                     else:
                         delta, nxt = nxt.result(), None
@@ -136,34 +150,62 @@ class Follow:
                 self.received = delta.next_index
                 yield delta
                 last_at = time.monotonic()
+                if moved_off is not None:  # acknowledged: the source frees it, before any new move
+                    await self._release_source(moved_off)
+                    moved_off = None
                 if delta.finished:
                     return
         except StopAsyncIteration:
             return
         finally:
+            if moved_off is not None:
+                await self._release_source(moved_off)
+            if unused is not None:
+                with contextlib.suppress(Exception):
+                    await unused.aclose()
             if move is not None:  # the request ended or its caller left mid-move
-                if move.task is not None:
+                if move.task is not None:  # stopped before the destination's abort
                     move.task.cancel()
+                    await asyncio.wait((move.task,))
+                    if not move.task.cancelled():
+                        move.task.exception()  # retrieved: it ended with the request
                 if move.reserved:
-                    await _quietly(move.dst.abort(rid))
-                move.finish(FAILED, "the request ended before it moved")
-                self._moves.pop(rid, None)
+                    await _quietly(move.dst.abort(rid, move.first_round))
+                self._end(move, FAILED, "the request ended before it moved")
             if nxt is not None and not nxt.done():
                 nxt.cancel()
             with contextlib.suppress(Exception):
                 await stream.aclose()
 
+    async def _release_source(self, src: DecodeOps) -> None:
+        """The request streams from the destination: the source frees its copy
+        (``migrate_done``), or, should that call fail, an abort does (its stream is read by
+        no one now), so that a lost call leaks no blocks there."""
+        try:
+            await src.migrate("migrate_done", self.request_id)
+        except Exception as e:  # noqa: BLE001 - gone, or it ended there meanwhile
+            log.info("migrate_done of %s on %s failed (%s): aborting it there",
+                     self.request_id, src.worker_id, e)
+            await _quietly(src.abort(self.request_id))
+
+    def _end(self, move: Move, outcome: str, error: str | None = None,
+             pause_s: float | None = None) -> MoveResult:
+        """The move is over: another may be asked for from now on."""
+        if self._moves.get(self.request_id) is move:
+            del self._moves[self.request_id]
+        return move.finish(outcome, error, pause_s)
+
     async def _precopy(self, move: Move) -> int:
         """Phase 1; returns how many blocks went (the full blocks at its start)."""
         src, rid = self.current, self.request_id
         info = await src.migrate("migrate_begin", rid)
+        move.reserved = True  # from the call on: aborted by its round's id, should it come late
         desc = await move.dst.migrate(
-            "migrate_in", rid, list(self.prompt), self.params, src.rank,
-            f"{move.transfer_id}/1", info["num_tokens"] + HEADROOM_TOKENS,
-            info["num_full_blocks"], self._checksum)
+            "migrate_in", rid, list(self.prompt), self.params, src.rank, move.first_round,
+            info["num_tokens"] + HEADROOM_TOKENS, info["num_full_blocks"], self._checksum)
         if desc is None:
+            move.reserved = False
             raise RuntimeError(f"{move.dst.worker_id} has no room for {rid}")
-        move.reserved = True
         if desc.block_ids:
             move.kv_bytes += await src.migrate("migrate_send", rid, desc, 0)
         return info["num_full_blocks"]
@@ -188,10 +230,12 @@ class Follow:
                     if delta is not None:
                         self.received = delta.next_index
                         read.append(delta)
-                desc = await final
+                        if delta.finished:
+                            raise MoveStopped(f"{rid} ended on {src.worker_id}")
+                desc = await _unless_ended(final, nxt, src)
                 new = aiter(dst.decode(DecodeRequest(rid, self.prompt, self.params, outputs,
                                                      descriptor=desc, migrated=True)))
-                first = await anext(new)  # committed there, and stepping
+                first = await _unless_ended(anext(new), nxt, src)  # committed there, stepping
                 return read, new, nxt, first
         except BaseException as e:
             if final is not None:
@@ -200,7 +244,7 @@ class Follow:
                 with contextlib.suppress(Exception):
                     await new.aclose()
             if move.reserved:
-                await _quietly(dst.abort(rid))
+                await _quietly(dst.abort(rid, move.first_round))
             if isinstance(e, (asyncio.CancelledError, GeneratorExit)):
                 raise
             if getattr(e, "worker_id", None) == src.worker_id:
@@ -222,13 +266,27 @@ class Follow:
         return desc
 
 
-_BACKGROUND: set[asyncio.Future] = set()  # calls nobody waits for, kept until done
+class MoveStopped(RuntimeError):
+    """The request ended on the source before the destination's first token."""
 
 
-def _in_background(aw) -> None:
-    task = asyncio.ensure_future(_quietly(aw))
-    _BACKGROUND.add(task)
-    task.add_done_callback(_BACKGROUND.discard)
+async def _unless_ended(aw, nxt: asyncio.Future, src: DecodeOps):
+    """``await aw``, unless the source's stream (its read ``nxt``, pending while it is
+    paused) ends first: an abort there or its feed gone. Until the destination's first
+    token the source owns the request, so then the move stops (``MoveStopped``, or the
+    stream's own error) and the stream ends as the source says."""
+    task = asyncio.ensure_future(aw)
+    try:
+        await asyncio.wait((task, nxt), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+    if task.cancelled() or not task.done() or (nxt.done() and task.exception() is not None):
+        nxt.result()  # the source's error (its death: re-drive)
+        raise MoveStopped(f"the request ended on {src.worker_id} during its move")
+    return task.result()
 
 
 async def _quietly(aw) -> None:
