@@ -127,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from tandem.bench import attention, compare, offline, request_path, spec, spec_placement, stream, transfer
+    from tandem.bench import (attention, compare, migrate, offline, request_path, spec, spec_placement, stream,
+                              transfer)
     from tandem.bench import serve as serve_bench
 
     for name, module, text in (("offline", offline, "engine throughput vs HF transformers"),
@@ -140,7 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
                                ("request-path", request_path, "a server's CPU per step and per token "
                                 "outside the engine, at rest (for `plan`)"),
                                ("spec", spec, "speculative decoding on and off, batch 1/4/16"),
-                               ("spec-placement", spec_placement, "where a draft model's prompt KV is made")):
+                               ("spec-placement", spec_placement, "where a draft model's prompt KV is made"),
+                               ("migrate", migrate, "a request leaving its decode worker: moved with "
+                                "its KV vs re-driven (pause, drain under load)")):
         sp = bench_sub.add_parser(name, help=text)
         module.add_arguments(sp)
         sp.set_defaults(func=_bench)
