@@ -1,15 +1,19 @@
 """Running requests move between decode workers with their KV (real Ray actors, gloo):
 every stream completes token-identical to the offline engine (greedy and seeded), no
 prompt token is prefilled again, the source's blocks are freed only after the
-destination committed, and a move that cannot be made leaves the request where it was."""
+destination committed, and a move that cannot be made leaves the request where it was.
+A pool out of balance evens out by itself (rebalancing)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
+import time
 
 import pytest
 
+from tandem.common.config import CacheConfig
 from tandem.common.sampling_params import SamplingParams
 from tandem.engine import LLM
 from tandem.router.migration import FAILED, MIGRATED
@@ -33,7 +37,10 @@ def prompts():
 def cluster(ray_session, checkpoint):
     from tandem.cluster.cluster import Cluster
 
-    c = Cluster(_config(checkpoint, prefill_workers=1, decode_workers=2)).start()
+    config = _config(checkpoint, prefill_workers=1, decode_workers=2)
+    engine = dataclasses.replace(config.engine, cache=CacheConfig(num_blocks=384))
+    c = Cluster(dataclasses.replace(config, engine=engine)).start()
+    c.config = dataclasses.replace(c.config, rebalance=False)  # only the moves a test asks for
     yield c
     c.shutdown()
 
@@ -72,11 +79,6 @@ async def _streams_with_moves(cluster, prompts, move):
     return await asyncio.gather(*streams), moved
 
 
-def _prefilled_tokens(cluster) -> int:
-    stats = asyncio.run(cluster.worker_stats())
-    return sum(s.get("prompt_tokens_computed", 0) for s in stats)
-
-
 def test_running_requests_move_with_their_kv(cluster, prompts, reference):
     """Each request moves to the other decode worker mid-stream (``Cluster.migrate``):
     outputs identical, counted as migrated, nothing prefilled again, nothing leaked."""
@@ -84,7 +86,8 @@ def test_running_requests_move_with_their_kv(cluster, prompts, reference):
     redrives = cluster.driver.num_redrives
 
     def move_all(c, rids):
-        return [c.migrate(rid).result(timeout=60) for rid in rids]
+        moves = [c.migrate(rid) for rid in rids]  # all at once: they run side by side
+        return [m.result(timeout=60) for m in moves]
 
     outputs, results = asyncio.run(_streams_with_moves(cluster, prompts, move_all))
     assert outputs == reference
@@ -98,16 +101,17 @@ def test_running_requests_move_with_their_kv(cluster, prompts, reference):
 
 def test_a_move_to_a_full_worker_leaves_the_request_in_place(cluster, prompts, reference):
     """The destination has no room: the move fails, the stream goes on on its worker."""
-    def fill_and_move(c, rids):
-        src = c.router.decode_of(rids[0])
-        dst = next(w for w in c.decode if w is not src)
-        held = asyncio.run(_hold_all_blocks(dst))
-        try:
-            return c.migrate(rids[0], to=dst.worker_id).result(timeout=60)
-        finally:
-            asyncio.run(_release(dst, held))
+    full = cluster.decode[1]
+    held = asyncio.run(_hold_all_blocks(full))  # before the streams: they all go elsewhere
+    try:
+        cluster.refresh_loads_now()
 
-    outputs, result = asyncio.run(_streams_with_moves(cluster, prompts, fill_and_move))
+        def move(c, rids):
+            return c.migrate(rids[0], to=full.worker_id).result(timeout=60)
+
+        outputs, result = asyncio.run(_streams_with_moves(cluster, prompts, move))
+    finally:
+        asyncio.run(_release(full, held))
     assert outputs == reference
     assert result.outcome == FAILED and "room" in (result.error or ""), result
     wait_all_free(cluster)
@@ -116,15 +120,66 @@ def test_a_move_to_a_full_worker_leaves_the_request_in_place(cluster, prompts, r
 async def _hold_all_blocks(worker) -> list[str]:
     """Reserve every free block of ``worker`` through its own calls (as a migration in)."""
     held = []
-    for i in range(64):
-        desc = await worker.migrate("migrate_in", f"filler-{i}", [1] * 16, GREEDY, 0,
-                                    f"filler-{i}#t", 16 * 8, 0)
-        if desc is None:
-            break
-        held.append(f"filler-{i}")
+    for blocks in (32, 1):  # big reservations first, then what is left one block at a time
+        while True:
+            rid = f"filler-{len(held)}"
+            desc = await worker.migrate("migrate_in", rid, [1] * 16, GREEDY, 0, f"{rid}#t",
+                                        16 * blocks, 0)
+            if desc is None:
+                break
+            held.append(rid)
     return held
 
 
 async def _release(worker, held: list[str]) -> None:
     for rid in held:
         await worker.abort(rid)
+
+
+def _usage(worker) -> float:
+    load = worker.load()
+    return 1.0 - load.free_blocks / load.total_blocks
+
+
+def test_a_pool_out_of_balance_evens_out(cluster, checkpoint):
+    """Every long-context stream starts on one decode worker while the other is idle; with
+    rebalancing on, their KV usage evens out while the streams run, outputs exact."""
+    from tandem.cluster.rebalance import START_GAP
+
+    rng = random.Random(61)
+    # 12 x 480 tokens: 360 of d0's 384 blocks at the end, 216 once prefilled
+    prompts = [[rng.randrange(2, VOCAB) for _ in range(280)] for _ in range(12)]
+    params = dataclasses.replace(GREEDY, max_tokens=200)
+    reference = [o.outputs[0].token_ids for o in LLM(checkpoint).generate(prompts, params)]
+    d0, d1 = cluster.decode
+    gaps: list[float] = []
+
+    async def main():
+        cluster.router.remove_worker(d1.worker_id)  # every stream goes to d0
+        streams = [asyncio.ensure_future(_collect(cluster, p, params)) for p in prompts]
+        while len(cluster.driver.running()) < len(prompts):  # all decoding on d0
+            await asyncio.sleep(0.02)
+        cluster.router.add_worker(d1)
+        cluster.refresh_loads_now()
+        assert not d1.active and _usage(d0) - _usage(d1) >= START_GAP, (_usage(d0), _usage(d1))
+        cluster.config = dataclasses.replace(cluster.config, rebalance=True)
+        try:
+            while not all(s.done() for s in streams):
+                gaps.append(abs(_usage(d0) - _usage(d1)))
+                if d1.active and gaps[-1] < START_GAP:
+                    break
+                await asyncio.sleep(0.05)
+            return await asyncio.gather(*streams)
+        finally:
+            cluster.config = dataclasses.replace(cluster.config, rebalance=False)
+
+    moved_before = cluster.rebalancer.moves_asked
+    outputs = asyncio.run(main())
+    assert outputs == reference
+    assert cluster.rebalancer.moves_asked > moved_before
+    assert gaps and gaps[-1] < START_GAP, gaps  # evened out while the streams ran
+    wait_all_free(cluster)
+
+
+async def _collect(cluster, prompt, params):
+    return [t async for d in cluster.generate(prompt, params) for t in d.token_ids]

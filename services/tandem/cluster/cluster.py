@@ -22,6 +22,7 @@ from tandem.cluster import scale as resize
 from tandem.cluster.drain import DRAIN_TIMEOUT_S, DrainReport
 from tandem.cluster.handles import RayDecode, RayPrefill, is_transient
 from tandem.cluster.migrate import Migrations
+from tandem.cluster.rebalance import Rebalancer
 from tandem.cluster.ray_start import RayRuntime
 from tandem.decode.worker import DecodeWorker
 from tandem.prefill.worker import PrefillWorker
@@ -76,6 +77,7 @@ class Cluster:
         self.replacements = 0
         self.rebuilds = 0
         self.migrations = Migrations(self)
+        self.rebalancer = Rebalancer(self)
         self._serving = threading.Event()  # cleared while the transfer group is rebuilt
         self._membership = threading.RLock()  # one heal, drain or resize at a time
         self._serving.set()
@@ -376,6 +378,10 @@ class Cluster:
             except Exception:  # noqa: BLE001 - never let the refresher die
                 log.exception("refreshing worker loads failed")
             self._first_refresh.set()
+            try:
+                self.rebalancer.tick()
+            except Exception:  # noqa: BLE001 - never let the refresher die
+                log.exception("rebalancing the decode pool failed")
             workers = self.prefill + self.decode
             if any(not w.load().alive and not is_transient(w.last_error) for w in workers) \
                     and (healing is None or healing.done()):

@@ -341,6 +341,9 @@ class ClusterConfig:
         "help": "KV transport: nccl on GPUs, gloo on CPU; auto picks by device"})
     layer_group_size: int | None = field(default=2, metadata={"help": "layers per streamed KV group; -1: all layers in one group"})
     checksum: bool = field(default=False, metadata={"help": "checksum every KV payload"})
+    rebalance: bool = field(default=True, metadata={
+        "help": "move running requests from a decode worker much fuller than another "
+                "(needs kv_migration)"})
     kv_migration: bool = field(default=True, metadata={
         "help": "connect the decode workers to each other, so a running request moves to "
                 "another with its KV (drain, rebalancing) instead of being prefilled again"})

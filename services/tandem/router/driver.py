@@ -87,7 +87,8 @@ class RequestDriver:
         self.wait_until_serving = wait_until_serving
         self.num_redrives = 0
         self._on_move_ended = on_moved
-        self._moves: dict[str, Move] = {}  # moves asked for, until the request's stream takes them
+        self._moves: dict[str, Move] = {}  # moves asked for, until each ends
+        self._follows: dict[str, Follow] = {}  # the requests streaming from a decode worker
 
     def migrate(self, request_id: str, dst: DecodeOps) -> Move:
         """Ask that a running request move to ``dst`` with its KV; its stream runs the move
@@ -101,6 +102,10 @@ class RequestDriver:
                                                transfer_id=transfer_id(request_id, 0) + ".m")
         move.done.add_done_callback(lambda f: self._on_move_ended and self._on_move_ended(f.result()))
         return move
+
+    def running(self) -> list[Follow]:
+        """The requests streaming from a decode worker now (any thread may call it)."""
+        return list(self._follows.values())
 
     def _moved(self, result: MoveResult, src: DecodeOps, dst: DecodeOps) -> None:
         """A request's stream comes from ``dst`` now (it moved off ``src``)."""
@@ -175,11 +180,14 @@ class RequestDriver:
                                     output_token_ids=(result.first_token_id,), descriptor=desc)
             follow = Follow(rid, prompt, params, decode, req, self._moves, self._moved,
                             self.checksum)
+            self._follows[rid] = follow
             async with aclosing(follow.deltas()) as stream:
                 async for delta in stream:
                     finished = delta.finished
                     yield delta
         finally:
+            if follow is not None and self._follows.get(rid) is follow:
+                del self._follows[rid]
             if not finished:  # the caller left or a worker failed: free D's blocks and slot
                 if follow is not None and follow.current is not decode:
                     decode, tid = follow.current, None  # it moved: the worker it runs on now

@@ -93,6 +93,16 @@ class Follow:
         self._checksum = checksum
         self.received = len(req.output_token_ids)  # the next output index the caller needs
 
+    @property
+    def num_tokens(self) -> int:
+        """Its tokens so far (prompt and output): the KV it holds."""
+        return len(self.prompt) + self.received
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to come, at most."""
+        return (self.params.max_tokens or 1 << 30) - self.received
+
     async def deltas(self) -> AsyncIterator[TokenDelta]:
         """The deltas after ``received``, in order; ends with the finishing one."""
         rid = self.request_id
@@ -131,7 +141,7 @@ class Follow:
                         if new is None:
                             continue
                         delta, src = outcome, self.current
-                        nxt.cancel()  # the source's stream is done with
+                        await _stop(nxt)  # the source's stream is done with
                         with contextlib.suppress(BaseException):
                             await stream.aclose()
                         stream, nxt, self.current, unused = new, None, move.dst, None
@@ -172,8 +182,8 @@ class Follow:
                 if move.reserved:
                     await _quietly(move.dst.abort(rid, move.first_round))
                 self._end(move, FAILED, "the request ended before it moved")
-            if nxt is not None and not nxt.done():
-                nxt.cancel()
+            if nxt is not None:
+                await _stop(nxt)
             with contextlib.suppress(Exception):
                 await stream.aclose()
 
@@ -245,12 +255,16 @@ class Follow:
                     await new.aclose()
             if move.reserved:
                 await _quietly(dst.abort(rid, move.first_round))
-            if isinstance(e, (asyncio.CancelledError, GeneratorExit)):
+            try:
+                if isinstance(e, (asyncio.CancelledError, GeneratorExit)) \
+                        or getattr(e, "worker_id", None) == src.worker_id:  # left, or re-drive
+                    raise
+                log.info("moving %s from %s to %s failed: %s", rid, src.worker_id,
+                         dst.worker_id, e)
+                await src.migrate("migrate_rollback", rid)  # False: it ended there, as its stream says
+            except BaseException:
+                await _stop(nxt)  # the source's read begun here: its stream can be closed
                 raise
-            if getattr(e, "worker_id", None) == src.worker_id:
-                raise  # the source is gone: re-drive
-            log.info("moving %s from %s to %s failed: %s", rid, src.worker_id, dst.worker_id, e)
-            await src.migrate("migrate_rollback", rid)  # False: it ended there; its stream says how
             return read, None, nxt, f"{type(e).__name__}: {e}"
 
     async def _final_round(self, move: Move, state: dict, num_sent: int):
@@ -264,6 +278,15 @@ class Follow:
             return None
         move.kv_bytes += await src.migrate("migrate_send", rid, desc, num_sent)
         return desc
+
+
+async def _stop(fut: asyncio.Future) -> None:
+    """A read no one takes: cancelled and awaited (its stream can be closed then), or its
+    outcome retrieved (the stream may have failed once it was done with)."""
+    if not fut.done():
+        fut.cancel()
+    with contextlib.suppress(BaseException):
+        await fut
 
 
 class MoveStopped(RuntimeError):
