@@ -445,15 +445,30 @@ def pools() -> dict:
                        description="First scheduled step to first token (prompt compute): "
                                    "p50/p90/p99 per role."),
         ]),
+        row("Moves between decode workers", [
+            timeseries("Moves by outcome", [
+                (f"sum by (outcome) (rate(tandem_migrations_total[{RI}]))", "{{outcome}}"),
+            ], unit="ops", min_=0,
+                description="Running requests moved to another decode worker with their KV "
+                            "(drains, rebalancing): migrated; failed (stayed where they were); "
+                            "fell back (re-driven: prefilled again)."),
+            timeseries("Pause clients saw across a move",
+                       quantiles("tandem_migration_pause_seconds"), unit="s",
+                       description="The longest gap between two tokens of a moved stream: "
+                                   "p50/p90/p99."),
+            timeseries("KV moved", [
+                (f"sum(rate(tandem_migration_kv_bytes_total[{RI}]))", "bytes/s"),
+            ], unit="Bps", min_=0, description="KV bytes copied between decode workers by moves."),
+        ]),
         row("Resilience", [
-            timeseries("Migrations and replacements", [
-                (f"sum(rate(tandem_request_migrations_total[{RI}]))", "request migrations/s"),
+            timeseries("Re-drives and replacements", [
+                (f"sum(rate(tandem_request_migrations_total[{RI}]))", "re-drives/s"),
                 (f"sum(rate(tandem_worker_replacements_total[{RI}]))", "worker replacements/s"),
             ], unit="ops",
-                description="Requests re-driven on another worker after a failure, and dead "
-                            "workers replaced."),
-            stat("Migrations in range",
-                 [("sum(increase(tandem_request_migrations_total[$__range]))", "migrations")],
+                description="Requests re-driven on another worker after a failure (prompt and "
+                            "tokens so far prefilled again), and dead workers replaced."),
+            stat("Re-drives in range",
+                 [("sum(increase(tandem_request_migrations_total[$__range]))", "re-drives")],
                  w=6, description="Requests re-driven over the dashboard's time range."),
             stat("Replacements in range",
                  [("sum(increase(tandem_worker_replacements_total[$__range]))", "replacements")],
