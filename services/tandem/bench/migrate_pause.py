@@ -34,6 +34,7 @@ from tandem.router.migration import HEADROOM_TOKENS, MIGRATED
 
 MIGRATE, REDRIVE = "migrate", "redrive"
 ARMS = (MIGRATE, REDRIVE)
+WARM_UP_CONTEXT = 256  # the warm-up round's context at most: the paths run, cheaply
 
 
 @dataclass
@@ -167,12 +168,13 @@ def contexts(spec: str, longest: int, move_after: int) -> list[int]:
 async def measure(cluster, lens: list[int], repeats: int, output_len: int, move_after: int,
                   vocab: int, progress=lambda msg: None) -> list[dict]:
     """Per context: ``repeats`` rounds of migrate then re-drive on one prompt per round
-    (after one warm-up round at the first context), their medians and equality."""
+    (after one warm-up round at a short context), their medians and equality."""
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     redrive = Redrive(cluster.decode)
+    warm = min(min(lens), WARM_UP_CONTEXT)
     try:
         for arm in ARMS:  # warm-up: both paths run once before anything is timed
-            await run_stream(cluster, prompt_ids(lens[0] - move_after, vocab, "warm"), params,
+            await run_stream(cluster, prompt_ids(warm - move_after, vocab, "warm"), params,
                              arm=arm, move_after=move_after, redrive=redrive)
         rows = []
         for n in lens:
