@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.common.sampling_params import SamplingParams
@@ -42,11 +42,12 @@ class MigrationError(RuntimeError):
 @dataclass
 class Outbound:
     """The source's record of a move: the full blocks at its start, the preemption count
-    that vouches they were not freed since, the round in flight (an asyncio future)."""
+    that vouches they were not freed since, the rounds still reading its blocks (asyncio
+    futures; kept past a rollback and into a later move, until each is off this worker)."""
 
     blocks: list[int]
     preemptions: int
-    sending: Any = None
+    rounds: set = field(default_factory=set)
     moved: bool = False  # the destination committed it: released without an abort
 
 
@@ -74,7 +75,9 @@ class MigrationEnds:
         blocks, preemptions, num_tokens = await self._run(begin)
         if not self._move(req, E.MIGRATE):
             raise MigrationError(f"{request_id} ended on {self.worker_id} as its move began")
-        req.migration = Outbound(blocks, preemptions)
+        last = req.migration  # a move rolled back: a round of it may still be reading
+        req.migration = Outbound(blocks, preemptions,
+                                 last.rounds if isinstance(last, Outbound) else set())
         return {"num_tokens": num_tokens, "num_full_blocks": len(blocks)}
 
     async def migrate_send(self, request_id: str, desc: KVTransferDescriptor,
@@ -87,7 +90,9 @@ class MigrationEnds:
 
         def blocks(engine):
             seq = engine.scheduler.get(request_id)
-            if seq is None or seq.num_preemptions != out.preemptions:
+            if seq is None:
+                raise MigrationError(f"{request_id} ended on {self.worker_id}")
+            if seq.num_preemptions != out.preemptions:
                 raise MigrationError(f"{request_id} was preempted on {self.worker_id}")
             src = list(seq.block_ids[first_block:first_block + n])
             if len(src) != n:
@@ -96,7 +101,12 @@ class MigrationEnds:
             return src, self.sync.record_event(self.sync.current_stream())
 
         src, ready = await self._run(blocks)
-        sent = out.sending = asyncio.get_running_loop().create_future()
+        if self.requests.get(request_id) is not req or req.state is not S.MIGRATING_OUT:
+            # ended (or rolled back) meanwhile: its release may not wait for a round begun now
+            raise MigrationError(f"{request_id} stopped moving out of {self.worker_id}")
+        sent = asyncio.get_running_loop().create_future()
+        out.rounds.add(sent)
+        sent.add_done_callback(out.rounds.discard)
         self._sends[desc.transfer_id] = sent
         self.sender.submit(SendJob(desc.transfer_id, desc.dst_rank, src,
                                    range(self.engine.model_config.num_layers), 0, final=True,
@@ -137,9 +147,9 @@ class MigrationEnds:
         """The move failed: the request decodes here again where it left off; False when
         it is not moving out (ended meanwhile)."""
         req = self.requests.get(request_id)
-        if req is None or not self._move(req, E.ROLLED_BACK):
+        if req is None or req.state is not S.MIGRATING_OUT:  # never moving, or ended
             return False
-        req.migration = None
+        self._move(req, E.ROLLED_BACK)  # its Outbound stays: a round may still be reading
         await self._run(lambda e: e.resume(request_id))  # after an abort queued first: a no-op
         return True
 
@@ -156,9 +166,10 @@ class MigrationEnds:
         out = req.migration
         if not isinstance(out, Outbound):
             return False
-        if out.sending is not None:
+        while out.rounds:
             with contextlib.suppress(BaseException):
-                await out.sending
+                await next(iter(out.rounds))
+            await asyncio.sleep(0)  # its done callback drops it from ``rounds``
         return out.moved
 
     # -- destination ---------------------------------------------------------------------
@@ -168,6 +179,9 @@ class MigrationEnds:
                          checksum: bool = False) -> KVTransferDescriptor | None:
         """Reserve blocks for ``num_tokens`` tokens of a request moving here from
         ``src_rank`` and expect its first ``num_full_blocks`` blocks; None when full."""
+        if transfer_id in self._aborted_transfers:  # the driver gave the move up first
+            del self._aborted_transfers[transfer_id]
+            raise MigrationError(f"{request_id}: its move was given up before it came")
         if not await self._settled(request_id):
             raise MigrationError(f"{request_id}: ended on {self.worker_id} before its move")
         req = self._open(request_id, S.RESERVING, transfer_id)
@@ -175,10 +189,14 @@ class MigrationEnds:
         task = req.reserving = asyncio.ensure_future(self._reserve_inbound(
             req, prompt_token_ids, params, num_tokens, num_full_blocks, checksum))
         try:
-            return await asyncio.shield(task)
+            desc = await asyncio.shield(task)
         except asyncio.CancelledError:
             await asyncio.shield(self._end(request_id, E.STREAM_CLOSED))
             raise
+        if desc is not None and req.state is not S.MIGRATING_IN:  # ended meanwhile
+            raise MigrationError(f"{request_id}: ended on {self.worker_id} as its blocks "
+                                 "were reserved")
+        return desc
 
     async def _reserve_inbound(self, req: HeldRequest, prompt: list[int], params: SamplingParams,
                                num_tokens: int, num_full: int,
@@ -200,18 +218,31 @@ class MigrationEnds:
         if blocks is None:
             self._move(req, E.REFUSED)
             return None
-        desc = self._expect_round(req, req.transfer_id, blocks[:num_full], reserved, checksum)
+        try:
+            desc = self._expect_round(req, req.transfer_id, blocks[:num_full], reserved,
+                                      checksum)
+        except MigrationError:  # the source's rank lost, no transfer group: nothing can write
+            await self._run(lambda engine: engine.cancel_reserved(rid))
+            self._move(req, E.REFUSED)
+            raise
         self._move(req, E.MIGRATION_RESERVED)
         return desc
 
     def _expect_round(self, req: HeldRequest, transfer_id: str, blocks: list[int], after: Any,
                       checksum: bool) -> KVTransferDescriptor:
-        """Register a round into ``blocks`` (none: nothing to receive)."""
+        """Register a round into ``blocks`` (none: nothing to receive); ``MigrationError``
+        when it cannot be (no transfer group, the source's rank lost)."""
         num_layers = self.engine.model_config.num_layers
         src_rank = req.migration.src_rank
         if blocks:
-            self.receiver.expect(transfer_id, src_rank, blocks, [range(num_layers)], after=after)
-            req.receiver, req.transfer_id = self.receiver, transfer_id
+            receiver = self.receiver
+            try:
+                if receiver is None:
+                    raise ConnectionError(f"{self.worker_id} left the transfer group")
+                receiver.expect(transfer_id, src_rank, blocks, [range(num_layers)], after=after)
+            except Exception as e:
+                raise MigrationError(f"{req.request_id}: {e}") from e
+            req.receiver, req.transfer_id = receiver, transfer_id
         return KVTransferDescriptor(
             request_id=req.request_id, transfer_id=transfer_id, block_ids=tuple(blocks),
             layer_groups=(LayerRange(0, num_layers),), src_rank=src_rank, dst_rank=self.rank,
@@ -225,6 +256,8 @@ class MigrationEnds:
         req = self._held(request_id, S.MIGRATING_IN)
         await self._round_arrived(req)
         blocks = await self._run(lambda e: e.grow_reservation(request_id, num_tokens))
+        if req.state is not S.MIGRATING_IN:  # ended meanwhile: its release has run or runs
+            raise MigrationError(f"{request_id}: ended on {self.worker_id} before its last round")
         if blocks is None:
             raise MigrationError(f"{self.worker_id} has no room left for {request_id}")
         return self._expect_round(req, transfer_id, blocks[first_block:first_block + num_blocks],

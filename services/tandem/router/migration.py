@@ -14,8 +14,9 @@ token and runs it, pre-copy:
 
 Until that first token the source owns the request: any failure or a timeout rolls back
 (the destination's blocks freed, the source decoding on where it paused:
-``migrate_rollback``); a source that died takes the re-drive path. The worker calls are
-in ``decode/migration.py``.
+``migrate_rollback``); an end there meanwhile (an abort, its feed gone) stops the move
+and the stream ends as the source says; a source that died takes the re-drive path. The
+worker calls are in ``decode/migration.py``.
 """
 
 from __future__ import annotations
@@ -121,8 +122,7 @@ class Follow:
                         move = None
                 if move is not None:
                     if move.task is None:
-                        move.task = asyncio.ensure_future(asyncio.wait_for(
-                            self._precopy(move), MIGRATE_TIMEOUT_S))
+                        move.task = asyncio.ensure_future(self._precopy(move))
                     if nxt is None:
                         nxt = asyncio.ensure_future(anext(stream))
                     await asyncio.wait((nxt, move.task), return_when=asyncio.FIRST_COMPLETED)
@@ -206,19 +206,21 @@ class Follow:
         return move.finish(outcome, error, pause_s)
 
     async def _precopy(self, move: Move) -> int:
-        """Phase 1; returns how many blocks went (the full blocks at its start)."""
+        """Phase 1 (bounded: one task, so that its failure is never lost in a cancel);
+        returns how many blocks went (the full blocks at its start)."""
         src, rid = self.current, self.request_id
-        info = await src.migrate("migrate_begin", rid)
-        move.reserved = True  # from the call on: aborted by its round's id, should it come late
-        desc = await move.dst.migrate(
-            "migrate_in", rid, list(self.prompt), self.params, src.rank, move.first_round,
-            info["num_tokens"] + HEADROOM_TOKENS, info["num_full_blocks"], self._checksum)
-        if desc is None:
-            move.reserved = False
-            raise RuntimeError(f"{move.dst.worker_id} has no room for {rid}")
-        if desc.block_ids:
-            move.kv_bytes += await src.migrate("migrate_send", rid, desc, 0)
-        return info["num_full_blocks"]
+        async with asyncio.timeout(MIGRATE_TIMEOUT_S):
+            info = await src.migrate("migrate_begin", rid)
+            move.reserved = True  # from the call on: aborted by its round's id, should it come late
+            desc = await move.dst.migrate(
+                "migrate_in", rid, list(self.prompt), self.params, src.rank, move.first_round,
+                info["num_tokens"] + HEADROOM_TOKENS, info["num_full_blocks"], self._checksum)
+            if desc is None:
+                move.reserved = False
+                raise RuntimeError(f"{move.dst.worker_id} has no room for {rid}")
+            if desc.block_ids:
+                move.kv_bytes += await src.migrate("migrate_send", rid, desc, 0)
+            return info["num_full_blocks"]
 
     async def _switch(self, move: Move, stream, nxt: asyncio.Future
                       ) -> tuple[list[TokenDelta], Any, asyncio.Future, Any]:
@@ -261,7 +263,7 @@ class Follow:
                     raise
                 log.info("moving %s from %s to %s failed: %s", rid, src.worker_id,
                          dst.worker_id, e)
-                await src.migrate("migrate_rollback", rid)  # False: it ended there, as its stream says
+                await src.migrate("migrate_rollback", rid)  # False: it ended there, see its stream
             except BaseException:
                 await _stop(nxt)  # the source's read begun here: its stream can be closed
                 raise
