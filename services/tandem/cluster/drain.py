@@ -86,9 +86,9 @@ def drain_worker(cluster: Cluster, worker_id: str,
         cluster.publish_placement()
         cluster.draining[worker_id] = worker  # a shutdown meanwhile stops it too
     try:
-        moved = 0 if is_prefill else sum(
-            r.outcome == "migrated" for r in cluster.migrations.move_off(worker))
-        idle = _wait_idle(worker, max(t0 + timeout_s, time.monotonic()))
+        moved = 0 if is_prefill else _move_off(cluster, worker)
+        # a worker whose requests all moved reports idle at once: a zero timeout too
+        idle = _wait_idle(worker, max(t0 + timeout_s, time.monotonic() + (1.0 if moved else 0.0)))
         running = set(getattr(worker, "active", ()))  # re-driven when the actor goes...
         finished = getattr(worker, "num_finished", 0)
         with cluster._membership:
@@ -106,6 +106,16 @@ def drain_worker(cluster: Cluster, worker_id: str,
         f" ({moved} requests moved with their KV)" if moved else "") + (
         "" if idle else f" ({report.redriven} requests still running were re-driven)"))
     return report
+
+
+def _move_off(cluster: Cluster, worker) -> int:
+    """Move the decode worker's requests to the others; returns how many moved, once
+    the worker has released each (bounded): they are not counted as still running there."""
+    moved = {r.request_id for r in cluster.migrations.move_off(worker) if r.outcome == "migrated"}
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    while worker.active & moved and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    return len(moved)
 
 
 def _wait_idle(worker, deadline: float) -> bool:

@@ -121,10 +121,10 @@ class DecodeWorker(MigrationEnds, EngineWorker):
         channel = open_channel(transports, world_size, rank, group_name, self.sync,
                                senders=[*prefill_ranks, *(p for p in peers if p < rank)],
                                timeout_ms=timeout_ms, op_timeout_s=op_timeout_s, optional=peers)
-        self.receiver = make_receiver(channel, self.engine, [*prefill_ranks, *peers])
-        if peers:
+        self.receiver = make_receiver(channel, self.engine, prefill_ranks, on_demand=peers)
+        if peers:  # no heartbeats: a lost peer fails a move, and an idle pair costs nothing
             self.sender = make_sender(channel, self.engine, self._on_migration_sent,
-                                      receivers=peers)
+                                      receivers=peers, heartbeat_s=None)
         self.rank = rank
         return rank
 

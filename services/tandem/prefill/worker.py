@@ -93,8 +93,11 @@ class PrefillWorker(EngineWorker):
         """Become ``rank`` of the transfer group (all workers call this together), reaching
         each decode rank of ``transports`` over the transport named there; returns once
         every pair is connected."""
+        # a decode rank lost (drained, or dead until the group is rebuilt) fails only the
+        # transfers to it: the others go on
         channel = open_channel(transports, world_size, rank, group_name, self.sync,
-                               timeout_ms=timeout_ms, op_timeout_s=op_timeout_s)
+                               timeout_ms=timeout_ms, op_timeout_s=op_timeout_s,
+                               optional=list(transports))
         self.sender = make_sender(channel, self.engine, self._on_sent, in_place_min_bytes)
         self._joined = True
         return rank

@@ -22,7 +22,7 @@ from tandem.transfer.placement import GLOO, IPC, NCCL
 from tandem.transfer.receiver import KVReceiver
 from tandem.transfer.rendezvous import FileRendezvous, RayRendezvous, Rendezvous
 from tandem.transfer.routed import RoutedChannel
-from tandem.transfer.sender import KVSender, SendReport
+from tandem.transfer.sender import HEARTBEAT_S, KVSender, SendReport
 from tandem.transfer.device_sync import DeviceSync, make_sync
 
 
@@ -110,28 +110,33 @@ def open_pair_channel(kind: str, rank: int, device: str | torch.device,
 
 def cache_sender(channel: KVChannel, cache: PagedKVCache, on_done: Callable[[SendReport], None],
                  min_run_plane_bytes: int | None = MIN_RUN_PLANE_BYTES,
-                 receivers: Sequence[int] | None = None) -> KVSender:
+                 receivers: Sequence[int] | None = None,
+                 heartbeat_s: float | None = HEARTBEAT_S) -> KVSender:
     """The sending end over ``channel`` (to ``receivers``, default every peer), reading
-    blocks of ``cache``."""
+    blocks of ``cache``; ``heartbeat_s`` None: no heartbeats."""
     return KVSender(channel, cache.gather, cache.block_shape, cache.dtype, on_done,
                     cache.plane, cache.plane_block_bytes, min_run_plane_bytes,
-                    receivers=receivers)
+                    heartbeat_s=heartbeat_s, receivers=receivers)
 
 
-def cache_receiver(channel: KVChannel, cache: PagedKVCache, peers: Sequence[int]) -> KVReceiver:
+def cache_receiver(channel: KVChannel, cache: PagedKVCache, peers: Sequence[int],
+                   on_demand: Sequence[int] = ()) -> KVReceiver:
     """The decode end over ``channel``, writing into reserved blocks of ``cache``."""
     return KVReceiver(channel, peers, cache.scatter, cache.block_shape, cache.dtype,
-                      cache.plane, cache.plane_block_bytes)
+                      cache.plane, cache.plane_block_bytes, on_demand)
 
 
 def make_sender(channel: KVChannel, engine: LLMEngine, on_done: Callable[[SendReport], None],
                 min_run_plane_bytes: int | None = MIN_RUN_PLANE_BYTES,
-                receivers: Sequence[int] | None = None) -> KVSender:
-    return cache_sender(channel, engine.kv_cache, on_done, min_run_plane_bytes, receivers)
+                receivers: Sequence[int] | None = None,
+                heartbeat_s: float | None = HEARTBEAT_S) -> KVSender:
+    return cache_sender(channel, engine.kv_cache, on_done, min_run_plane_bytes, receivers,
+                        heartbeat_s)
 
 
-def make_receiver(channel: KVChannel, engine: LLMEngine, peers: Sequence[int]) -> KVReceiver:
-    return cache_receiver(channel, engine.kv_cache, peers)
+def make_receiver(channel: KVChannel, engine: LLMEngine, peers: Sequence[int],
+                  on_demand: Sequence[int] = ()) -> KVReceiver:
+    return cache_receiver(channel, engine.kv_cache, peers, on_demand)
 
 
 def _config_digest(model_path: str) -> str:

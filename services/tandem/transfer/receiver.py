@@ -62,14 +62,19 @@ class PendingTransfer:
 
 
 class KVReceiver:
-    """Receives from every rank in ``peers`` (the prefill ranks, and the decode ranks a
-    request may move from) and scatters into the local cache."""
+    """Receives from every rank in ``peers`` (the prefill ranks), and from the ranks in
+    ``on_demand`` (the decode ranks a request may move from) while a transfer from them is
+    expected, and scatters into the local cache.
+
+    An ``on_demand`` peer's thread starts with the first transfer expected from it and ends
+    once none is left: no receive stays posted on an idle pair of two decode workers, where
+    each side's wait would hold up the other's leaving the group."""
 
     def __init__(self, channel: KVChannel, peers: Sequence[int],
                  scatter: Callable[[Sequence[int], range, torch.Tensor], None],
                  block_shape: Callable[[int, range], tuple[int, ...]], dtype: torch.dtype,
                  plane: Callable[[int, int, int, int], torch.Tensor] | None = None,
-                 plane_block_bytes: int = 0) -> None:
+                 plane_block_bytes: int = 0, on_demand: Sequence[int] = ()) -> None:
         self.channel, self._scatter, self._block_shape, self.dtype = channel, scatter, block_shape, dtype
         self.sync = channel.sync
         self._plane, self._plane_block_bytes = plane, plane_block_bytes
@@ -77,10 +82,14 @@ class KVReceiver:
         self._lock = threading.Lock()
         self.bytes_received = 0
         self.dead_peers: set[int] = set()
-        self._threads = [threading.Thread(target=self._run, args=(p,), name=f"kv-recv-{p}",
-                                          daemon=True) for p in peers]
-        for t in self._threads:
-            t.start()
+        self._on_demand = frozenset(on_demand)
+        self._serving: set[int] = set()  # on-demand peers whose thread runs (under _lock)
+        for p in peers:
+            self._start(p)
+
+    def _start(self, peer: int) -> None:
+        threading.Thread(target=self._run, args=(peer,), name=f"kv-recv-{peer}",
+                         daemon=True).start()
 
     def expect(self, transfer_id: str, src_rank: int, block_ids: Sequence[int],
                layer_groups: Sequence[range], after: Any = None) -> PendingTransfer:
@@ -101,6 +110,9 @@ class KVReceiver:
             if transfer_id in self._pending:
                 raise ValueError(f"transfer {transfer_id!r} is already expected")
             self._pending[transfer_id] = pt
+            if src_rank in self._on_demand and src_rank not in self._serving:
+                self._serving.add(src_rank)
+                self._start(src_rank)
         return pt
 
     def wait(self, transfer_id: str, timeout: float) -> PendingTransfer:
@@ -157,6 +169,8 @@ class KVReceiver:
                                   pin_memory=device.type == "cuda")
         staging = StagingBuffer(device)
         while True:
+            if peer in self._on_demand and not self._expecting(peer):
+                return
             try:
                 self.channel.recv(header_buf, peer, idle=True)
                 header_host.copy_(header_buf, non_blocking=True)
@@ -180,8 +194,17 @@ class KVReceiver:
                     lost = list(self._pending.values())
                 for pt in lost:
                     if pt.src_rank == peer:
-                        self._finish(pt, TransferStatus.FAILED, f"prefill rank {peer} lost: {e}")
+                        self._finish(pt, TransferStatus.FAILED, f"rank {peer} lost: {e}")
                 return
+
+    def _expecting(self, peer: int) -> bool:
+        """Whether a transfer from the on-demand ``peer`` is still to come; if not, its
+        thread ends (under the lock: a transfer expected from now on starts a new one)."""
+        with self._lock:
+            if any(pt.src_rank == peer and not pt.done.is_set() for pt in self._pending.values()):
+                return True
+            self._serving.discard(peer)
+            return False
 
     def _after_reservation(self, pt: PendingTransfer, stream: Any) -> None:
         """Before the first write into ``pt``'s blocks (under ``pt.lock``)."""
