@@ -21,7 +21,7 @@ from tandem.common.sampling_params import SamplingParams
 from tandem.protocol.messages import KVTransferDescriptor
 from tandem.protocol.request_path import DecodeRequest, PrefillRequest, PrefillResult, TokenDelta
 from tandem.router.errors import ClusterFullError
-from tandem.router.migration import FAILED, Follow, Move, MoveResult
+from tandem.router.migration import FAILED, Follow, Move, MoveResult, quietly
 from tandem.router.router import Router
 
 log = logging.getLogger(__name__)
@@ -168,7 +168,7 @@ class RequestDriver:
                 try:
                     result = await prefill.prefill(PrefillRequest(rid, prompt, params, desc))
                 except BaseException:
-                    await _quietly(prefill.abort(rid))
+                    await quietly(prefill.abort(rid))
                     raise
                 self.router.prefill_done(rid)
                 lp = (result.first_logprob,) if result.first_logprob is not None else None
@@ -191,17 +191,10 @@ class RequestDriver:
             if not finished:  # the caller left or a worker failed: free D's blocks and slot
                 if follow is not None and follow.current is not decode:
                     decode, tid = follow.current, None  # it moved: the worker it runs on now
-                await _quietly(decode.abort(rid, tid))
+                await quietly(decode.abort(rid, tid))
 
 
 def transfer_id(request_id: str, attempt: int) -> str:
     """A transfer id unique to one attempt of one request, across gateway restarts too:
     KV that arrives for an older attempt (or another request) matches no expected id."""
     return f"{request_id}#{attempt}.{secrets.token_hex(4)}"
-
-
-async def _quietly(aw) -> None:
-    try:
-        await aw
-    except Exception as e:  # best effort: the worker may be gone already
-        log.debug("cleanup call failed: %s", e)

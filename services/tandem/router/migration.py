@@ -26,7 +26,7 @@ import concurrent.futures
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -180,7 +180,7 @@ class Follow:
                     if not move.task.cancelled():
                         move.task.exception()  # retrieved: it ended with the request
                 if move.reserved:
-                    await _quietly(move.dst.abort(rid, move.first_round))
+                    await quietly(move.dst.abort(rid, move.first_round))
                 self._end(move, FAILED, "the request ended before it moved")
             if nxt is not None:
                 await _stop(nxt)
@@ -196,7 +196,7 @@ class Follow:
         except Exception as e:  # noqa: BLE001 - gone, or it ended there meanwhile
             log.info("migrate_done of %s on %s failed (%s): aborting it there",
                      self.request_id, src.worker_id, e)
-            await _quietly(src.abort(self.request_id))
+            await quietly(src.abort(self.request_id))
 
     def _end(self, move: Move, outcome: str, error: str | None = None,
              pause_s: float | None = None) -> MoveResult:
@@ -256,7 +256,7 @@ class Follow:
                 with contextlib.suppress(Exception):
                     await new.aclose()
             if move.reserved:
-                await _quietly(dst.abort(rid, move.first_round))
+                await quietly(dst.abort(rid, move.first_round))
             try:
                 if isinstance(e, (asyncio.CancelledError, GeneratorExit)) \
                         or getattr(e, "worker_id", None) == src.worker_id:  # left, or re-drive
@@ -314,14 +314,10 @@ async def _unless_ended(aw, nxt: asyncio.Future, src: DecodeOps):
     return task.result()
 
 
-async def _quietly(aw) -> None:
+async def quietly(aw) -> None:
+    """Await a cleanup call, its failure logged and dropped (the worker may be gone)."""
     try:
         await aw
     except Exception as e:  # best effort: the worker may be gone already
         log.debug("cleanup call failed: %s", e)
 
-
-def sorted_by_gain(requests: Sequence[tuple[str, int, int]]) -> list[str]:
-    """Request ids to move first: most KV, then most tokens still to come
-    (``(request_id, tokens held, tokens to come)``)."""
-    return [r for r, _, _ in sorted(requests, key=lambda t: (-t[1], -t[2], t[0]))]
