@@ -67,7 +67,7 @@ class FakeCluster:
         self.calls.append(("drain", worker_id, timeout_s))
         if worker_id == "decode-0":
             raise ValueError("decode-0 is the last decode worker of the cluster")
-        return SimpleNamespace(idle=True, redriven=0, seconds=0.25)
+        return SimpleNamespace(idle=True, migrated=1, redriven=0, seconds=0.25)
 
     def scale(self, role: str, workers: int, timeout_s: float, drain_timeout_s: float):
         self.calls.append(("scale", role, workers, timeout_s, drain_timeout_s))
@@ -85,7 +85,7 @@ def test_the_watcher_answers_each_request_and_removes_it(kv):
         scaled = control.wait_answers("scale", [("gw", "decode")], time.monotonic() + 30)
     finally:
         watcher.stop()
-    assert answers == {"decode-1": {"idle": True, "redriven": 0, "seconds": 0.25},
+    assert answers == {"decode-1": {"idle": True, "migrated": 1, "redriven": 0, "seconds": 0.25},
                        "decode-0": {"error": "ValueError: decode-0 is the last decode worker "
                                              "of the cluster"}}
     assert scaled == {"decode": {"workers": 3, "added": ["decode-2"], "drained": []}}
@@ -138,7 +138,7 @@ def test_the_commands_print_their_json_and_no_spinner_off_a_terminal(kv, monkeyp
     out = capsys.readouterr()
     assert code == 0
     if command == "drain":
-        assert json.loads(out.out) == {"decode-1": {"idle": True, "redriven": 0, "seconds": 0.25}}
+        assert json.loads(out.out) == {"decode-1": {"idle": True, "migrated": 1, "redriven": 0, "seconds": 0.25}}
         assert out.err == "tandem drain: draining decode-1 (up to 7s)\n"  # stderr is no terminal: no spinner
     else:
         assert json.loads(out.out) == {"decode": {"workers": 3, "added": ["decode-2"], "drained": []}}
