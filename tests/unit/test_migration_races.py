@@ -706,16 +706,23 @@ def test_an_abort_while_the_last_round_is_reserved_leaves_no_round_expected(pool
     asyncio.run(main())
 
 
+async def _pre_copy_reserved(src, dst, rid: str):
+    """``rid`` decoding on ``src``, its move begun and ``dst``'s blocks reserved for it:
+    (its stream, the pre-copy round's descriptor)."""
+    stream = await _decoding(src, rid)
+    info = await src.migrate_begin(rid)
+    desc = await dst.migrate_in(rid, list(PROMPT), PARAMS, src.rank, f"{rid}#m/1",
+                                info["num_tokens"] + 64, info["num_full_blocks"])
+    return stream, desc
+
+
 def test_a_round_asked_for_as_the_request_ends_is_not_sent(pool):
     workers, _, _ = pool
     src, dst = workers
     channels = _wire(workers)
 
     async def main():
-        stream = await _decoding(src, "snd")
-        info = await src.migrate_begin("snd")
-        desc = await dst.migrate_in("snd", list(PROMPT), PARAMS, src.rank, "snd#m/1",
-                                    info["num_tokens"] + 64, info["num_full_blocks"])
+        stream, desc = await _pre_copy_reserved(src, dst, "snd")
         gate = _stalled(src)  # its blocks are looked up behind this
         sending = asyncio.ensure_future(src.migrate_send("snd", desc, 0))
         await asyncio.sleep(0.01)
@@ -739,10 +746,7 @@ def test_a_round_still_reading_after_a_rollback_holds_the_blocks_until_it_is_off
     channels = _wire(workers)
 
     async def main():
-        stream = await _decoding(src, "rb")
-        info = await src.migrate_begin("rb")
-        desc = await dst.migrate_in("rb", list(PROMPT), PARAMS, src.rank, "rb#m/1",
-                                    info["num_tokens"] + 64, info["num_full_blocks"])
+        stream, desc = await _pre_copy_reserved(src, dst, "rb")
         assert desc.block_ids
         hold = threading.Event()
         channels[src.rank].hold_send = hold
